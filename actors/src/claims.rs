@@ -1,0 +1,211 @@
+//! The two-phase claim table of one tenant.
+//!
+//! A key is claimed *pending* by the hook that met it first, and only a settle
+//! makes it *committed*. Expiry is checked on every read, so a claim is free the
+//! moment it expires; [`ClaimTable::sweep`] only gives the memory back, in one
+//! pass driven by the owner's tick rather than a timer per claim.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+
+use serde::{Deserialize, Serialize};
+
+/// A claim's place in the table: `(source_id, key)` packed into one allocation as
+/// `"<len(source_id)>:<source_id><key>"`, which is unambiguous for any bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ClaimKey(Box<str>);
+
+impl ClaimKey {
+    pub fn new(source_id: &str, key: &str) -> Self {
+        let mut packed = String::with_capacity(source_id.len() + key.len() + 4);
+        // Writing to a String cannot fail.
+        let _ = write!(packed, "{}:", source_id.len());
+        packed.push_str(source_id);
+        packed.push_str(key);
+        Self(packed.into_boxed_str())
+    }
+
+    /// `(source_id, key)` back out of the packed form.
+    pub fn parts(&self) -> (&str, &str) {
+        let (len, rest) = self.0.split_once(':').unwrap_or(("0", &self.0));
+        let len = len.parse::<usize>().unwrap_or(0).min(rest.len());
+        // `new` only ever splits on a char boundary of the original source_id.
+        if rest.is_char_boundary(len) {
+            rest.split_at(len)
+        } else {
+            ("", rest)
+        }
+    }
+}
+
+/// Where a claim stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Phase {
+    /// In flight on `node`; nobody may answer Duplicate for it.
+    Pending { node: Box<str> },
+    /// The hook is durable; the key answers Duplicate until it expires.
+    Committed,
+}
+
+/// One claim: who holds the key, in which phase, until when (unix µs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimEntry {
+    pub hook_id: Box<str>,
+    pub phase: Phase,
+    pub expires_us: u64,
+}
+
+impl ClaimEntry {
+    pub fn is_live(&self, now_us: u64) -> bool {
+        self.expires_us > now_us
+    }
+}
+
+/// A claim as it is persisted and exported: the serde form of one table entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClaimRecord {
+    pub source_id: String,
+    pub key: String,
+    pub hook_id: String,
+    /// The node holding a pending claim; `None` once committed.
+    pub node: Option<String>,
+    pub committed: bool,
+    pub expires_us: u64,
+}
+
+impl ClaimRecord {
+    pub fn from_entry(key: &ClaimKey, entry: &ClaimEntry) -> Self {
+        let (source_id, key) = key.parts();
+        let (node, committed) = match &entry.phase {
+            Phase::Pending { node } => (Some(node.to_string()), false),
+            Phase::Committed => (None, true),
+        };
+        Self {
+            source_id: source_id.into(),
+            key: key.into(),
+            hook_id: entry.hook_id.to_string(),
+            node,
+            committed,
+            expires_us: entry.expires_us,
+        }
+    }
+
+    pub fn into_entry(self) -> (ClaimKey, ClaimEntry) {
+        let key = ClaimKey::new(&self.source_id, &self.key);
+        let phase = if self.committed {
+            Phase::Committed
+        } else {
+            Phase::Pending {
+                node: self.node.unwrap_or_default().into_boxed_str(),
+            }
+        };
+        let entry = ClaimEntry {
+            hook_id: self.hook_id.into_boxed_str(),
+            phase,
+            expires_us: self.expires_us,
+        };
+        (key, entry)
+    }
+}
+
+/// Every claim of one tenant.
+#[derive(Debug, Clone, Default)]
+pub struct ClaimTable {
+    entries: HashMap<ClaimKey, ClaimEntry>,
+}
+
+impl ClaimTable {
+    /// The live claim on `key`, if any.
+    pub fn live(&self, key: &ClaimKey, now_us: u64) -> Option<&ClaimEntry> {
+        self.entries.get(key).filter(|e| e.is_live(now_us))
+    }
+
+    pub fn live_mut(&mut self, key: &ClaimKey, now_us: u64) -> Option<&mut ClaimEntry> {
+        self.entries.get_mut(key).filter(|e| e.is_live(now_us))
+    }
+
+    pub fn insert(&mut self, key: ClaimKey, entry: ClaimEntry) {
+        self.entries.insert(key, entry);
+    }
+
+    pub fn remove(&mut self, key: &ClaimKey) -> Option<ClaimEntry> {
+        self.entries.remove(key)
+    }
+
+    /// Drops every expired claim; returns how many went.
+    pub fn sweep(&mut self, now_us: u64) -> usize {
+        let before = self.entries.len();
+        self.entries.retain(|_, e| e.is_live(now_us));
+        if self.entries.capacity() > 4 * self.entries.len().max(8) {
+            self.entries.shrink_to_fit();
+        }
+        before - self.entries.len()
+    }
+
+    /// Claims held, live or not yet swept.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&ClaimKey, &ClaimEntry)> {
+        self.entries.iter()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packed_key_round_trips_any_bytes() {
+        for (s, k) in [
+            ("src", "key"),
+            ("", "k"),
+            ("a:b", ":c"),
+            ("12", "3"),
+            ("ünï", "cødé\0*>. "),
+            ("1:x", ""),
+        ] {
+            let packed = ClaimKey::new(s, k);
+            assert_eq!(packed.parts(), (s, k), "{packed:?}");
+        }
+        assert_ne!(ClaimKey::new("ab", "c"), ClaimKey::new("a", "bc"));
+    }
+
+    #[test]
+    fn expired_claims_are_invisible_then_swept() {
+        let mut table = ClaimTable::default();
+        let key = ClaimKey::new("s", "k");
+        table.insert(
+            key.clone(),
+            ClaimEntry {
+                hook_id: "h".into(),
+                phase: Phase::Committed,
+                expires_us: 100,
+            },
+        );
+        assert!(table.live(&key, 99).is_some());
+        assert!(table.live(&key, 100).is_none());
+        assert_eq!(table.sweep(99), 0);
+        assert_eq!(table.sweep(100), 1);
+        assert!(table.is_empty());
+    }
+
+    #[test]
+    fn record_round_trip() {
+        let key = ClaimKey::new("s", "k");
+        let entry = ClaimEntry {
+            hook_id: "h".into(),
+            phase: Phase::Pending { node: "n1".into() },
+            expires_us: 5,
+        };
+        let record = ClaimRecord::from_entry(&key, &entry);
+        assert_eq!(record.node.as_deref(), Some("n1"));
+        assert!(!record.committed);
+        assert_eq!(record.into_entry(), (key, entry));
+    }
+}

@@ -1,0 +1,25 @@
+//! The pure domain of ankusa-fleet: GCRA buckets, two-phase claim tables and the
+//! actors that own them. Nothing in this crate knows about NATS.
+//!
+//! - [`types`]: the contract's requests, outcomes and limits;
+//! - [`gcra`]: the rate algorithm on one bucket;
+//! - [`claims`]: the two-phase claim table;
+//! - [`tenant`]: every rule applied to one tenant's state, as pure functions;
+//! - [`actor`]: the tenant and shard actors that schedule them;
+//! - [`clock`]: injected time.
+
+pub mod actor;
+pub mod claims;
+pub mod clock;
+pub mod gcra;
+pub mod tenant;
+pub mod types;
+
+pub use actor::{spawn_shard, Refused, ShardConfig, ShardMsg, ShardStats};
+pub use claims::ClaimRecord;
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use tenant::{Applied, BucketRecord, Changes, ClaimChange, TenantSnapshot, TenantState};
+pub use types::{
+    Charge, Claim, HitOutcome, HitRequest, InvalidRequest, Kind, SettleOutcome, SettleRequest,
+    Settlement,
+};

@@ -1,0 +1,294 @@
+//! One tenant's state and every rule of the contract applied to it, as pure
+//! functions of (state, now, request). The actors only schedule these.
+//!
+//! Each call returns its outcome together with the [`Changes`] it made, so the
+//! layer above can persist exactly what moved (claims before answering, bucket
+//! TATs written behind) without diffing state.
+
+use serde::{Deserialize, Serialize};
+
+use crate::claims::{ClaimEntry, ClaimKey, ClaimRecord, ClaimTable, Phase};
+use crate::gcra;
+use crate::types::{HitOutcome, HitRequest, Kind, SettleOutcome, SettleRequest, Settlement};
+
+/// A bucket as it is persisted and exported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BucketRecord {
+    pub kind: Kind,
+    /// Theoretical arrival time, unix µs; 0 (or any past instant) means full.
+    pub tat_us: u64,
+}
+
+/// A change to one claim.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ClaimChange {
+    Put(ClaimRecord),
+    Delete { source_id: String, key: String },
+}
+
+/// What one call changed in a tenant's state.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Changes {
+    pub claim: Option<ClaimChange>,
+    /// The new TAT of every bucket that moved (0 after a reset).
+    pub buckets: Vec<BucketRecord>,
+}
+
+impl Changes {
+    pub fn is_empty(&self) -> bool {
+        self.claim.is_none() && self.buckets.is_empty()
+    }
+}
+
+/// An outcome and the changes that produced it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Applied<T> {
+    pub outcome: T,
+    pub changes: Changes,
+}
+
+impl<T> Applied<T> {
+    fn unchanged(outcome: T) -> Self {
+        Self {
+            outcome,
+            changes: Changes::default(),
+        }
+    }
+}
+
+/// A tenant's whole state in serde form, for persistence and handoff.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TenantSnapshot {
+    pub tenant: String,
+    pub buckets: Vec<BucketRecord>,
+    pub claims: Vec<ClaimRecord>,
+}
+
+/// One tenant's buckets (a TAT per kind) and claim table.
+#[derive(Debug, Clone, Default)]
+pub struct TenantState {
+    tats: [u64; 2],
+    claims: ClaimTable,
+}
+
+fn until_ms(now_us: u64, ms: u64) -> u64 {
+    now_us.saturating_add(ms.saturating_mul(1000))
+}
+
+impl TenantState {
+    /// Applies a hit. The request must have passed [`HitRequest::validate`].
+    ///
+    /// Order: a replay by the hook that already holds the key pending answers `Ok`
+    /// again and spends nothing (its first attempt paid); then the charges — a
+    /// denied one answers `RateLimited` and writes nothing; then the claim — a
+    /// taken key answers `Duplicate` (committed only) or `Pending` and spends
+    /// nothing; otherwise every charge is taken and the key becomes pending.
+    pub fn hit(&mut self, now_us: u64, req: &HitRequest) -> Applied<HitOutcome> {
+        let claim_key = req
+            .claim
+            .as_ref()
+            .map(|c| ClaimKey::new(&c.source_id, &c.key));
+        if let (Some(claim), Some(key)) = (&req.claim, &claim_key) {
+            if let Some(entry) = self.claims.live(key, now_us) {
+                if matches!(entry.phase, Phase::Pending { .. }) && *entry.hook_id == *claim.hook_id
+                {
+                    return Applied {
+                        outcome: HitOutcome::Ok,
+                        changes: Changes {
+                            claim: Some(ClaimChange::Put(ClaimRecord::from_entry(key, entry))),
+                            buckets: Vec::new(),
+                        },
+                    };
+                }
+            }
+        }
+
+        let mut new_tats = self.tats;
+        let mut wait_us = None::<u64>;
+        for charge in &req.charges {
+            let slot = charge.kind.index();
+            match gcra::charge(
+                self.tats[slot],
+                now_us,
+                charge.increment_us,
+                charge.capacity_us,
+            ) {
+                Ok(tat) => new_tats[slot] = tat,
+                Err(denied) => wait_us = Some(wait_us.unwrap_or(0).max(denied.retry_after_us)),
+            }
+        }
+        if let Some(wait_us) = wait_us {
+            return Applied::unchanged(HitOutcome::RateLimited {
+                retry_after_ms: gcra::retry_ms(wait_us),
+            });
+        }
+
+        let mut changes = Changes::default();
+        if let (Some(claim), Some(key)) = (&req.claim, claim_key) {
+            if let Some(entry) = self.claims.live(&key, now_us) {
+                let outcome = match entry.phase {
+                    Phase::Committed => HitOutcome::Duplicate {
+                        hook_id: entry.hook_id.to_string(),
+                    },
+                    Phase::Pending { .. } => HitOutcome::Pending {
+                        retry_after_ms: gcra::retry_ms(entry.expires_us - now_us),
+                    },
+                };
+                return Applied::unchanged(outcome);
+            }
+            let entry = ClaimEntry {
+                hook_id: claim.hook_id.as_str().into(),
+                phase: Phase::Pending {
+                    node: claim.node.as_str().into(),
+                },
+                expires_us: until_ms(now_us, claim.pending_ttl_ms),
+            };
+            changes.claim = Some(ClaimChange::Put(ClaimRecord::from_entry(&key, &entry)));
+            self.claims.insert(key, entry);
+        }
+
+        for charge in &req.charges {
+            let slot = charge.kind.index();
+            self.tats[slot] = new_tats[slot];
+            changes.buckets.push(BucketRecord {
+                kind: charge.kind,
+                tat_us: new_tats[slot],
+            });
+        }
+        Applied {
+            outcome: HitOutcome::Ok,
+            changes,
+        }
+    }
+
+    /// Settles a claim. The request must have passed [`SettleRequest::validate`].
+    ///
+    /// Only the hook holding the key may settle it. A repeated commit is `Ok` and
+    /// keeps the first commit's expiry; a release after a commit is refused, since
+    /// the hook is already durable.
+    pub fn settle(&mut self, now_us: u64, req: &SettleRequest) -> Applied<SettleOutcome> {
+        let claim = &req.claim;
+        let key = ClaimKey::new(&claim.source_id, &claim.key);
+        let Some(entry) = self.claims.live_mut(&key, now_us) else {
+            return Applied::unchanged(SettleOutcome::NotFound);
+        };
+        if *entry.hook_id != *claim.hook_id {
+            return Applied::unchanged(SettleOutcome::NotOwner {
+                hook_id: entry.hook_id.to_string(),
+            });
+        }
+        let change = match (&entry.phase, req.settlement) {
+            (Phase::Committed, Settlement::Release) => {
+                return Applied::unchanged(SettleOutcome::AlreadyCommitted);
+            }
+            (Phase::Pending { .. }, Settlement::Release) => {
+                self.claims.remove(&key);
+                ClaimChange::Delete {
+                    source_id: claim.source_id.clone(),
+                    key: claim.key.clone(),
+                }
+            }
+            (Phase::Pending { .. }, Settlement::Commit) => {
+                entry.phase = Phase::Committed;
+                entry.expires_us = until_ms(now_us, claim.ttl_ms);
+                ClaimChange::Put(ClaimRecord::from_entry(&key, entry))
+            }
+            (Phase::Committed, Settlement::Commit) => {
+                ClaimChange::Put(ClaimRecord::from_entry(&key, entry))
+            }
+        };
+        Applied {
+            outcome: SettleOutcome::Ok,
+            changes: Changes {
+                claim: Some(change),
+                buckets: Vec::new(),
+            },
+        }
+    }
+
+    /// Forgets the buckets (a limit changed); claims stay.
+    pub fn reset(&mut self) -> Changes {
+        self.tats = [0; 2];
+        Changes {
+            claim: None,
+            buckets: Kind::ALL
+                .iter()
+                .map(|&kind| BucketRecord { kind, tat_us: 0 })
+                .collect(),
+        }
+    }
+
+    /// Drops expired claims; returns how many went.
+    pub fn sweep(&mut self, now_us: u64) -> usize {
+        self.claims.sweep(now_us)
+    }
+
+    /// Nothing worth keeping: every bucket full and no live claim.
+    pub fn is_empty(&self, now_us: u64) -> bool {
+        self.tats.iter().all(|&t| gcra::is_full(t, now_us))
+            && self.claims.iter().all(|(_, e)| !e.is_live(now_us))
+    }
+
+    /// The TAT of one bucket (0 when never charged or reset).
+    pub fn tat(&self, kind: Kind) -> u64 {
+        self.tats[kind.index()]
+    }
+
+    pub fn claims(&self) -> &ClaimTable {
+        &self.claims
+    }
+
+    /// The live part of this state, in serde form.
+    pub fn snapshot(&self, tenant: &str, now_us: u64) -> TenantSnapshot {
+        TenantSnapshot {
+            tenant: tenant.to_string(),
+            buckets: Kind::ALL
+                .iter()
+                .filter(|k| !gcra::is_full(self.tats[k.index()], now_us))
+                .map(|&kind| BucketRecord {
+                    kind,
+                    tat_us: self.tats[kind.index()],
+                })
+                .collect(),
+            claims: self
+                .claims
+                .iter()
+                .filter(|(_, e)| e.is_live(now_us))
+                .map(|(k, e)| ClaimRecord::from_entry(k, e))
+                .collect(),
+        }
+    }
+
+    /// Adds a snapshot's buckets and claims to this state; a record that is
+    /// already past is skipped, and a later TAT or a committed claim wins over
+    /// what is here (so merging partial loads never forgets a commit).
+    pub fn absorb(&mut self, snapshot: TenantSnapshot, now_us: u64) {
+        for bucket in snapshot.buckets {
+            let slot = &mut self.tats[bucket.kind.index()];
+            *slot = (*slot).max(bucket.tat_us);
+        }
+        for record in snapshot.claims {
+            self.absorb_claim(record, now_us);
+        }
+    }
+
+    /// Adds one persisted claim; a committed claim is never replaced by a pending one.
+    pub fn absorb_claim(&mut self, record: ClaimRecord, now_us: u64) {
+        if record.expires_us <= now_us {
+            return;
+        }
+        let (key, entry) = record.into_entry();
+        if let Some(existing) = self.claims.live(&key, now_us) {
+            if existing.phase == Phase::Committed && entry.phase != Phase::Committed {
+                return;
+            }
+        }
+        self.claims.insert(key, entry);
+    }
+
+    pub fn from_snapshot(snapshot: TenantSnapshot, now_us: u64) -> Self {
+        let mut state = Self::default();
+        state.absorb(snapshot, now_us);
+        state
+    }
+}

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The one command that runs every check and test: format, lints, unit, property,
+# integration and fault tests (against real nats-server processes the tests start).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+NATS_SERVER_BIN=$(scripts/ensure-nats.sh)
+export NATS_SERVER_BIN
+echo "test: using $NATS_SERVER_BIN ($("$NATS_SERVER_BIN" --version))"
+
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo test --workspace --locked --all-targets
+cargo test --workspace --locked --doc
