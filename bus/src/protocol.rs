@@ -1,0 +1,361 @@
+//! The wire protocol: what an edge sends to a shard's subject and what it gets
+//! back, in MessagePack (maps with named fields, `rmp_serde::to_vec_named`).
+//!
+//! `docs/protocol.md` is the language-neutral spec of this module; the test
+//! vectors there are checked against it. Decoding never panics: every way a
+//! payload can be wrong is a [`DecodeError`].
+
+use ankusa_actors::{HitOutcome, HitRequest, InvalidRequest, SettleOutcome, SettleRequest};
+use serde::{Deserialize, Serialize};
+
+/// The protocol version this build speaks.
+pub const VERSION: u32 = 1;
+/// Versions a node accepts.
+pub const SUPPORTED_VERSIONS: &[u32] = &[VERSION];
+/// Largest request payload a node decodes.
+pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
+/// Requests one batch may carry.
+pub const MAX_BATCH: usize = 256;
+
+/// One request: a version, the caller's remaining budget and one operation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Request {
+    pub v: u32,
+    /// Milliseconds the caller still waits, counted from when it sent this. The node
+    /// drops work it cannot start within it; 0 is already expired.
+    pub timeout_ms: u64,
+    pub op: Op,
+}
+
+/// An operation, encoded as a map with exactly one key naming it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Op {
+    Hit(HitRequest),
+    Settle(SettleRequest),
+    Reset {
+        tenant: String,
+    },
+    /// Several requests for one shard in one message, answered in order. A batch
+    /// may not contain a batch.
+    Batch(Vec<Request>),
+}
+
+/// The answer to one request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reply {
+    pub v: u32,
+    pub body: ReplyBody,
+}
+
+/// What came of a request, a map with exactly one key naming it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReplyBody {
+    Hit(HitOutcome),
+    Settle(SettleOutcome),
+    Reset,
+    Batch(Vec<Reply>),
+    Error(ErrorReply),
+}
+
+/// A request the node did not carry out. Nothing was changed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct ErrorReply {
+    pub code: ErrorCode,
+    pub message: String,
+    /// For `invalid`: which rule the request broke.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub invalid: Option<InvalidRequest>,
+    /// For `unsupported_version`: what the node speaks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub supported_versions: Option<Vec<u32>>,
+}
+
+/// Why a node refused a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// Not MessagePack, or not the shape of a request.
+    Malformed,
+    /// A version this node does not speak; see `supported_versions`.
+    UnsupportedVersion,
+    /// Over [`MAX_REQUEST_BYTES`] or [`MAX_BATCH`].
+    TooLarge,
+    /// Well-formed but breaks a rule; see `invalid`.
+    Invalid,
+    /// The budget ran out before the work could start.
+    DeadlineExpired,
+    /// The tenant's queue is full; retry after a pause.
+    Overloaded,
+    /// The tenant does not hash to the shard this was sent to.
+    WrongShard,
+    /// The node cannot serve the shard now (handoff, persistence failure).
+    Unavailable,
+    /// A fault in the node.
+    Internal,
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = match self {
+            ErrorCode::Malformed => "malformed",
+            ErrorCode::UnsupportedVersion => "unsupported_version",
+            ErrorCode::TooLarge => "too_large",
+            ErrorCode::Invalid => "invalid",
+            ErrorCode::DeadlineExpired => "deadline_expired",
+            ErrorCode::Overloaded => "overloaded",
+            ErrorCode::WrongShard => "wrong_shard",
+            ErrorCode::Unavailable => "unavailable",
+            ErrorCode::Internal => "internal",
+        };
+        f.write_str(name)
+    }
+}
+
+impl ErrorReply {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+            invalid: None,
+            supported_versions: None,
+        }
+    }
+
+    pub fn invalid(why: InvalidRequest) -> Self {
+        Self {
+            message: why.to_string(),
+            invalid: Some(why),
+            ..Self::new(ErrorCode::Invalid, "")
+        }
+    }
+}
+
+impl From<DecodeError> for ErrorReply {
+    fn from(err: DecodeError) -> Self {
+        let message = err.to_string();
+        match err {
+            DecodeError::TooLarge { .. } => ErrorReply::new(ErrorCode::TooLarge, message),
+            DecodeError::UnsupportedVersion { .. } => ErrorReply {
+                supported_versions: Some(SUPPORTED_VERSIONS.to_vec()),
+                ..ErrorReply::new(ErrorCode::UnsupportedVersion, message)
+            },
+            DecodeError::Malformed(_) => ErrorReply::new(ErrorCode::Malformed, message),
+        }
+    }
+}
+
+/// Why a payload could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    #[error("payload of {len} bytes exceeds the limit of {max}")]
+    TooLarge { len: usize, max: usize },
+    #[error("protocol version {got} is not supported (supported: {SUPPORTED_VERSIONS:?})")]
+    UnsupportedVersion { got: u64 },
+    #[error("malformed payload: {0}")]
+    Malformed(String),
+}
+
+/// The part of a request that every version shares, read first so that an
+/// unknown version is told apart from garbage.
+#[derive(Deserialize)]
+struct Envelope {
+    v: u64,
+}
+
+impl Request {
+    pub fn new(timeout_ms: u64, op: Op) -> Self {
+        Self {
+            v: VERSION,
+            timeout_ms,
+            op,
+        }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        encode(self)
+    }
+
+    /// Decodes a request, checking size, version and shape (not the rules: see
+    /// [`Request::validate`]).
+    pub fn decode(payload: &[u8]) -> Result<Self, DecodeError> {
+        if payload.len() > MAX_REQUEST_BYTES {
+            return Err(DecodeError::TooLarge {
+                len: payload.len(),
+                max: MAX_REQUEST_BYTES,
+            });
+        }
+        match rmp_serde::from_slice::<Request>(payload) {
+            Ok(req) if SUPPORTED_VERSIONS.contains(&req.v) => Ok(req),
+            Ok(req) => Err(DecodeError::UnsupportedVersion { got: req.v.into() }),
+            Err(err) => match rmp_serde::from_slice::<Envelope>(payload) {
+                Ok(env) if !SUPPORTED_VERSIONS.iter().any(|&v| u64::from(v) == env.v) => {
+                    Err(DecodeError::UnsupportedVersion { got: env.v })
+                }
+                _ => Err(DecodeError::Malformed(err.to_string())),
+            },
+        }
+    }
+
+    /// Checks the request's contents against the limits of `ankusa_actors::types::limits`.
+    pub fn validate(&self) -> Result<(), ErrorReply> {
+        match &self.op {
+            Op::Hit(hit) => hit.validate().map_err(ErrorReply::invalid),
+            Op::Settle(settle) => settle.validate().map_err(ErrorReply::invalid),
+            Op::Reset { tenant } => {
+                ankusa_actors::types::validate_tenant(tenant).map_err(ErrorReply::invalid)
+            }
+            Op::Batch(items) => {
+                if items.len() > MAX_BATCH {
+                    return Err(ErrorReply::new(
+                        ErrorCode::TooLarge,
+                        format!("batch of {} requests exceeds {MAX_BATCH}", items.len()),
+                    ));
+                }
+                if items.iter().any(|r| matches!(r.op, Op::Batch(_))) {
+                    return Err(ErrorReply::new(
+                        ErrorCode::Malformed,
+                        "a batch may not contain a batch",
+                    ));
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The tenant this request is for, when it names exactly one.
+    pub fn tenant(&self) -> Option<&str> {
+        match &self.op {
+            Op::Hit(hit) => Some(hit.tenant()),
+            Op::Settle(settle) => Some(&settle.claim.tenant),
+            Op::Reset { tenant } => Some(tenant),
+            Op::Batch(_) => None,
+        }
+    }
+}
+
+impl Reply {
+    pub fn new(body: ReplyBody) -> Self {
+        Self { v: VERSION, body }
+    }
+
+    pub fn error(err: ErrorReply) -> Self {
+        Self::new(ReplyBody::Error(err))
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        encode(self)
+    }
+
+    pub fn decode(payload: &[u8]) -> Result<Self, DecodeError> {
+        let reply: Reply =
+            rmp_serde::from_slice(payload).map_err(|e| DecodeError::Malformed(e.to_string()))?;
+        if !SUPPORTED_VERSIONS.contains(&reply.v) {
+            return Err(DecodeError::UnsupportedVersion {
+                got: reply.v.into(),
+            });
+        }
+        Ok(reply)
+    }
+}
+
+fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+    // Serializing these plain data types into a Vec cannot fail: no maps with
+    // non-string keys, no sequences of unknown length.
+    rmp_serde::to_vec_named(value).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ankusa_actors::{Charge, Claim, Kind};
+
+    fn hit() -> Request {
+        Request::new(
+            250,
+            Op::Hit(HitRequest {
+                charges: vec![Charge {
+                    kind: Kind::Hooks,
+                    tenant: "t".into(),
+                    increment_us: 1000,
+                    capacity_us: 10_000,
+                }],
+                claim: Some(Claim {
+                    tenant: "t".into(),
+                    source_id: "s".into(),
+                    key: "k".into(),
+                    hook_id: "h".into(),
+                    node: "n".into(),
+                    ttl_ms: 60_000,
+                    pending_ttl_ms: 5_000,
+                }),
+            }),
+        )
+    }
+
+    #[test]
+    fn every_shape_round_trips() {
+        let batch = Request::new(
+            100,
+            Op::Batch(vec![
+                hit(),
+                Request::new(5, Op::Reset { tenant: "t".into() }),
+            ]),
+        );
+        for req in [hit(), batch] {
+            assert_eq!(Request::decode(&req.encode()), Ok(req));
+        }
+        for body in [
+            ReplyBody::Hit(HitOutcome::Ok),
+            ReplyBody::Hit(HitOutcome::Duplicate {
+                hook_id: "h".into(),
+            }),
+            ReplyBody::Hit(HitOutcome::Pending { retry_after_ms: 3 }),
+            ReplyBody::Settle(SettleOutcome::NotOwner {
+                hook_id: "x".into(),
+            }),
+            ReplyBody::Reset,
+            ReplyBody::Batch(vec![Reply::new(ReplyBody::Settle(SettleOutcome::Ok))]),
+            ReplyBody::Error(ErrorReply::invalid(InvalidRequest::NothingToDo)),
+            ReplyBody::Error(DecodeError::UnsupportedVersion { got: 9 }.into()),
+        ] {
+            let reply = Reply::new(body);
+            assert_eq!(Reply::decode(&reply.encode()), Ok(reply));
+        }
+    }
+
+    #[test]
+    fn unknown_version_is_told_apart_from_garbage() {
+        let mut req = hit();
+        req.v = 2;
+        assert_eq!(
+            Request::decode(&req.encode()),
+            Err(DecodeError::UnsupportedVersion { got: 2 })
+        );
+        #[derive(Serialize)]
+        struct Future {
+            v: u32,
+            shiny: bool,
+        }
+        let future = rmp_serde::to_vec_named(&Future { v: 7, shiny: true }).unwrap();
+        assert_eq!(
+            Request::decode(&future),
+            Err(DecodeError::UnsupportedVersion { got: 7 })
+        );
+        assert!(matches!(
+            Request::decode(b"\xc1garbage"),
+            Err(DecodeError::Malformed(_))
+        ));
+        assert!(matches!(
+            Request::decode(&[]),
+            Err(DecodeError::Malformed(_))
+        ));
+        let big = vec![0u8; MAX_REQUEST_BYTES + 1];
+        assert!(matches!(
+            Request::decode(&big),
+            Err(DecodeError::TooLarge { .. })
+        ));
+    }
+}

@@ -1,0 +1,101 @@
+//! Where a tenant lives: the shard function and the subjects a shard answers on.
+//!
+//! `shard = fnv1a_32(utf8(tenant)) mod shards`. FNV-1a is specified in a few lines
+//! (see `docs/protocol.md`), so an edge in any language computes the same shard.
+//! Tenants never appear in a subject, so any bytes in a tenant are safe.
+
+/// Shards an instance may be configured with.
+pub const MAX_SHARDS: u32 = 4096;
+
+/// 32-bit FNV-1a of `bytes`.
+pub fn fnv1a_32(bytes: &[u8]) -> u32 {
+    const OFFSET_BASIS: u32 = 0x811c_9dc5;
+    const PRIME: u32 = 0x0100_0193;
+    bytes.iter().fold(OFFSET_BASIS, |hash, &b| {
+        (hash ^ u32::from(b)).wrapping_mul(PRIME)
+    })
+}
+
+/// The shard owning `tenant` among `shards` (which must be at least 1).
+pub fn shard_of(tenant: &str, shards: u32) -> u32 {
+    fnv1a_32(tenant.as_bytes()) % shards.max(1)
+}
+
+/// Why an instance name cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InstanceError {
+    #[error("instance name is empty")]
+    Empty,
+    #[error("instance name `{0}` may only hold a-z, 0-9, `_` and `-` (at most 64 bytes)")]
+    BadChars(String),
+}
+
+/// The subject space of one instance: `ankusa.<instance>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Subjects {
+    prefix: String,
+}
+
+impl Subjects {
+    pub fn new(instance: &str) -> Result<Self, InstanceError> {
+        if instance.is_empty() {
+            return Err(InstanceError::Empty);
+        }
+        let ok = instance.len() <= 64
+            && instance
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-');
+        if !ok {
+            return Err(InstanceError::BadChars(instance.to_string()));
+        }
+        Ok(Self {
+            prefix: format!("ankusa.{instance}"),
+        })
+    }
+
+    /// `ankusa.<instance>`.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The subject shard `n` answers on: `ankusa.<instance>.shard.<n>`.
+    pub fn shard(&self, n: u32) -> String {
+        format!("{}.shard.{n}", self.prefix)
+    }
+
+    /// Every shard subject: `ankusa.<instance>.shard.*`.
+    pub fn all_shards(&self) -> String {
+        format!("{}.shard.*", self.prefix)
+    }
+
+    /// The instance name, for naming KV buckets and streams.
+    pub fn instance(&self) -> &str {
+        &self.prefix["ankusa.".len()..]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fnv1a_reference_values() {
+        // Published FNV-1a 32-bit test values.
+        assert_eq!(fnv1a_32(b""), 0x811c_9dc5);
+        assert_eq!(fnv1a_32(b"a"), 0xe40c_292c);
+        assert_eq!(fnv1a_32(b"foobar"), 0xbf9c_f968);
+    }
+
+    #[test]
+    fn instance_names() {
+        assert_eq!(
+            Subjects::new("prod-eu").unwrap().shard(7),
+            "ankusa.prod-eu.shard.7"
+        );
+        assert_eq!(Subjects::new("x").unwrap().instance(), "x");
+        assert!(Subjects::new("").is_err());
+        assert!(Subjects::new("a.b").is_err());
+        assert!(Subjects::new("A").is_err());
+        assert!(Subjects::new("a*").is_err());
+    }
+}
