@@ -1,0 +1,1 @@
+//! Test support: real nats-server and ankusa-node processes on loopback.
