@@ -1,1 +1,1 @@
-
+//! ankusa-node: shard ownership, persistence, metrics; and the ankusa CLI.
