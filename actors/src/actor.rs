@@ -181,7 +181,8 @@ impl Actor for TenantActor {
             TenantMsg::Hit(job) => {
                 me.queued.fetch_sub(1, Ordering::Relaxed);
                 if job.expired() {
-                    return Ok(job.refuse(Refused::DeadlineExpired));
+                    job.refuse(Refused::DeadlineExpired);
+                    return Ok(());
                 }
                 let applied = me.state.hit(now, &job.req);
                 let _ = job.reply.send(Ok(applied));
@@ -189,7 +190,8 @@ impl Actor for TenantActor {
             TenantMsg::Settle(job) => {
                 me.queued.fetch_sub(1, Ordering::Relaxed);
                 if job.expired() {
-                    return Ok(job.refuse(Refused::DeadlineExpired));
+                    job.refuse(Refused::DeadlineExpired);
+                    return Ok(());
                 }
                 let applied = me.state.settle(now, &job.req);
                 let _ = job.reply.send(Ok(applied));
@@ -414,20 +416,24 @@ impl Actor for ShardActor {
         match msg {
             ShardMsg::Hit(job) => {
                 if let Err(why) = job.req.validate() {
-                    return Ok(job.refuse(why.into()));
+                    job.refuse(why.into());
+                    return Ok(());
                 }
                 if job.expired() {
-                    return Ok(job.refuse(Refused::DeadlineExpired));
+                    job.refuse(Refused::DeadlineExpired);
+                    return Ok(());
                 }
                 let tenant = job.req.tenant().to_owned();
                 state.route(&myself, &tenant, job, TenantMsg::Hit).await?;
             }
             ShardMsg::Settle(job) => {
                 if let Err(why) = job.req.validate() {
-                    return Ok(job.refuse(why.into()));
+                    job.refuse(why.into());
+                    return Ok(());
                 }
                 if job.expired() {
-                    return Ok(job.refuse(Refused::DeadlineExpired));
+                    job.refuse(Refused::DeadlineExpired);
+                    return Ok(());
                 }
                 let tenant = job.req.claim.tenant.clone();
                 state
