@@ -16,6 +16,10 @@ pub const SUPPORTED_VERSIONS: &[u32] = &[VERSION];
 pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
 /// Requests one batch may carry.
 pub const MAX_BATCH: usize = 256;
+/// Deepest nesting of arrays and maps in any frame, request or reply. A v1
+/// request nests at most 8 deep (a charge inside a batched hit) and a reply 7, so
+/// this leaves room for later versions while bounding the decoder's recursion.
+pub const MAX_DEPTH: usize = 16;
 
 /// One request: a version, the caller's remaining budget and one operation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -187,8 +191,18 @@ impl Request {
                 max: MAX_REQUEST_BYTES,
             });
         }
+        check_frame(payload)?;
         match rmp_serde::from_slice::<Request>(payload) {
-            Ok(req) if SUPPORTED_VERSIONS.contains(&req.v) => Ok(req),
+            Ok(req) if SUPPORTED_VERSIONS.contains(&req.v) => {
+                // A batch is one frame of one version: an item of another version
+                // would be read with the wrong rules.
+                if let Op::Batch(items) = &req.op {
+                    if let Some(item) = items.iter().find(|r| !SUPPORTED_VERSIONS.contains(&r.v)) {
+                        return Err(DecodeError::UnsupportedVersion { got: item.v.into() });
+                    }
+                }
+                Ok(req)
+            }
             Ok(req) => Err(DecodeError::UnsupportedVersion { got: req.v.into() }),
             Err(err) => match rmp_serde::from_slice::<Envelope>(payload) {
                 Ok(env) if !SUPPORTED_VERSIONS.iter().any(|&v| u64::from(v) == env.v) => {
@@ -249,16 +263,125 @@ impl Reply {
         encode(self)
     }
 
+    /// Decodes a reply, checking its shape and version (and those of a batch's
+    /// items). There is no size limit: replies come from nodes, and the frame
+    /// check below already bounds what a hostile one could cost.
     pub fn decode(payload: &[u8]) -> Result<Self, DecodeError> {
+        check_frame(payload)?;
         let reply: Reply =
             rmp_serde::from_slice(payload).map_err(|e| DecodeError::Malformed(e.to_string()))?;
-        if !SUPPORTED_VERSIONS.contains(&reply.v) {
-            return Err(DecodeError::UnsupportedVersion {
-                got: reply.v.into(),
-            });
+        let items = match &reply.body {
+            ReplyBody::Batch(items) => items.as_slice(),
+            _ => &[],
+        };
+        for v in std::iter::once(reply.v).chain(items.iter().map(|r| r.v)) {
+            if !SUPPORTED_VERSIONS.contains(&v) {
+                return Err(DecodeError::UnsupportedVersion { got: v.into() });
+            }
         }
         Ok(reply)
     }
+}
+
+/// Walks one MessagePack value without building anything, so that serde only
+/// ever sees a frame that is exactly one complete value nested at most
+/// [`MAX_DEPTH`] deep.
+///
+/// Why: serde's derived decoders recurse once per level, and rmp-serde's own
+/// limit (1024 levels) is far more than a thread's stack holds, so a 60 KiB frame
+/// of nested arrays used to abort the process with a stack overflow. And every
+/// declared length is now backed by bytes actually present, so a header that
+/// claims 2^32 elements costs a rejected scan, not a preallocation per level.
+/// Trailing bytes are refused too: a frame is one value.
+fn check_frame(payload: &[u8]) -> Result<(), DecodeError> {
+    /// What follows a marker.
+    enum Then {
+        /// This many bytes of data (`None`: the length itself is cut off).
+        Bytes(Option<u64>),
+        /// This many values (a map entry counts two).
+        Values(Option<u64>),
+    }
+    let malformed = |what: String| Err(DecodeError::Malformed(what));
+    // Reads the big-endian unsigned integer of `n` bytes at `pos`.
+    let read_uint = |pos: &mut usize, n: usize| -> Option<u64> {
+        let bytes = payload.get(*pos..pos.checked_add(n)?)?;
+        *pos += n;
+        Some(bytes.iter().fold(0u64, |acc, &b| (acc << 8) | u64::from(b)))
+    };
+    // Values still to read in each open array or map; the bottom entry is the
+    // frame's one top-level value.
+    let mut open: Vec<u64> = Vec::with_capacity(MAX_DEPTH + 1);
+    open.push(1);
+    let mut pos = 0usize;
+    while let Some(left) = open.last_mut() {
+        if *left == 0 {
+            open.pop();
+            continue;
+        }
+        *left -= 1;
+        let at = pos;
+        let Some(&marker) = payload.get(pos) else {
+            return malformed(format!("truncated: a value is missing at byte {at}"));
+        };
+        pos += 1;
+        let then = match marker {
+            0x00..=0x7f | 0xc0 | 0xc2 | 0xc3 | 0xe0..=0xff => Then::Bytes(Some(0)),
+            0x80..=0x8f => Then::Values(Some(2 * u64::from(marker & 0x0f))),
+            0x90..=0x9f => Then::Values(Some(u64::from(marker & 0x0f))),
+            0xa0..=0xbf => Then::Bytes(Some(u64::from(marker & 0x1f))),
+            0xc1 => return malformed(format!("reserved marker 0xc1 at byte {at}")),
+            // bin and str: a length, then the data
+            0xc4 | 0xd9 => Then::Bytes(read_uint(&mut pos, 1)),
+            0xc5 | 0xda => Then::Bytes(read_uint(&mut pos, 2)),
+            0xc6 | 0xdb => Then::Bytes(read_uint(&mut pos, 4)),
+            // ext: a length, then a type byte, then the data
+            0xc7 => Then::Bytes(read_uint(&mut pos, 1).map(|n| n + 1)),
+            0xc8 => Then::Bytes(read_uint(&mut pos, 2).map(|n| n + 1)),
+            0xc9 => Then::Bytes(read_uint(&mut pos, 4).map(|n| n + 1)),
+            0xcc | 0xd0 => Then::Bytes(Some(1)),
+            0xcd | 0xd1 => Then::Bytes(Some(2)),
+            0xca | 0xce | 0xd2 => Then::Bytes(Some(4)),
+            0xcb | 0xcf | 0xd3 => Then::Bytes(Some(8)),
+            // fixext: a type byte, then 1, 2, 4, 8 or 16 bytes
+            0xd4 => Then::Bytes(Some(2)),
+            0xd5 => Then::Bytes(Some(3)),
+            0xd6 => Then::Bytes(Some(5)),
+            0xd7 => Then::Bytes(Some(9)),
+            0xd8 => Then::Bytes(Some(17)),
+            0xdc => Then::Values(read_uint(&mut pos, 2)),
+            0xdd => Then::Values(read_uint(&mut pos, 4)),
+            0xde => Then::Values(read_uint(&mut pos, 2).map(|n| 2 * n)),
+            0xdf => Then::Values(read_uint(&mut pos, 4).map(|n| 2 * n)),
+        };
+        let rest = (payload.len() - pos) as u64;
+        match then {
+            Then::Bytes(Some(n)) if n <= rest => pos += n as usize,
+            Then::Values(Some(n)) if n <= rest => {
+                // `open` holds one entry per open container plus the bottom one.
+                if open.len() > MAX_DEPTH {
+                    return malformed(format!("nested deeper than {MAX_DEPTH} at byte {at}"));
+                }
+                open.push(n);
+            }
+            // Every value takes at least a byte, so a count past the bytes left
+            // is a lie whatever follows; refusing it here keeps the scan short.
+            Then::Bytes(Some(n)) | Then::Values(Some(n)) => {
+                return malformed(format!(
+                    "truncated: the value at byte {at} declares {n} more bytes or values, {rest} bytes follow"
+                ))
+            }
+            Then::Bytes(None) | Then::Values(None) => {
+                return malformed(format!("truncated: the length at byte {at} is cut off"))
+            }
+        }
+    }
+    if pos != payload.len() {
+        return malformed(format!(
+            "{} trailing bytes after the value",
+            payload.len() - pos
+        ));
+    }
+    Ok(())
 }
 
 fn encode<T: Serialize>(value: &T) -> Vec<u8> {
