@@ -1,14 +1,24 @@
 //! ankusa-fleet's bus: the wire protocol, the NATS transport, the JetStream KV
 //! persistence adapter and the edge client.
 //!
+//! - [`client`]: the edge client, with hard deadlines and micro-batching;
+//! - [`connect`]: how edges and nodes reach NATS;
 //! - [`protocol`]: requests, replies, versions and error codes on the wire;
+//! - [`persist`]: where a shard's changes are kept;
+//! - [`responder`]: the node's side of the protocol for one shard;
 //! - [`shard`]: the shard function and subjects;
 //! - [`store`]: the contract as the edge sees it.
 
+pub mod client;
+pub mod connect;
+pub mod persist;
 pub mod protocol;
+pub mod responder;
 pub mod shard;
 pub mod store;
 
+pub use client::{FleetConfig, FleetStore};
+pub use connect::{ConnectError, NatsOptions};
 pub use protocol::{DecodeError, ErrorCode, ErrorReply, Op, Reply, ReplyBody, Request};
 pub use shard::{shard_of, Subjects};
 pub use store::{Store, StoreError};

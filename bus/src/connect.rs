@@ -1,0 +1,163 @@
+//! How edges and nodes reach NATS: servers, credentials and TLS, as one
+//! serde-friendly struct shared by the node's config file and the edge client.
+//!
+//! Connecting never blocks on an unreachable server: the client is handed back at
+//! once and keeps (re)connecting in the background, so a NATS outage degrades a
+//! process, it never stops it from starting.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Connection settings for NATS.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NatsOptions {
+    /// Server URLs; several for a cluster.
+    pub servers: Vec<String>,
+    /// Name shown in the server's connection list.
+    pub name: Option<String>,
+    pub user: Option<String>,
+    pub password: Option<String>,
+    pub token: Option<String>,
+    /// An nkey seed (`SU...`).
+    pub nkey_seed: Option<String>,
+    /// A `.creds` file (JWT + nkey seed).
+    pub creds_file: Option<PathBuf>,
+    /// CA certificate(s) to trust, PEM.
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate and key, PEM, for servers that verify clients.
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    /// Refuse a connection that is not TLS.
+    pub require_tls: bool,
+    /// Longest pause between reconnect attempts, ms.
+    pub max_reconnect_delay_ms: u64,
+}
+
+impl Default for NatsOptions {
+    fn default() -> Self {
+        Self {
+            servers: vec!["nats://127.0.0.1:4222".into()],
+            name: None,
+            user: None,
+            password: None,
+            token: None,
+            nkey_seed: None,
+            creds_file: None,
+            tls_ca: None,
+            tls_cert: None,
+            tls_key: None,
+            require_tls: false,
+            max_reconnect_delay_ms: 1000,
+        }
+    }
+}
+
+/// Why NATS settings cannot be used. These are configuration mistakes, never
+/// reachability: an unreachable server is not an error at connect time.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("no NATS server URL given")]
+    NoServers,
+    #[error("bad NATS server URL `{url}`: {reason}")]
+    BadUrl { url: String, reason: String },
+    #[error("`user` and `password` go together")]
+    HalfCredentials,
+    #[error("`tls_cert` and `tls_key` go together")]
+    HalfClientCert,
+    #[error("credentials file {path}: {source}")]
+    CredsFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("NATS client: {0}")]
+    Client(String),
+}
+
+impl NatsOptions {
+    pub fn with_servers(servers: impl IntoIterator<Item = impl Into<String>>) -> Self {
+        Self {
+            servers: servers.into_iter().map(Into::into).collect(),
+            ..Self::default()
+        }
+    }
+
+    fn server_addrs(&self) -> Result<Vec<async_nats::ServerAddr>, ConnectError> {
+        if self.servers.is_empty() {
+            return Err(ConnectError::NoServers);
+        }
+        self.servers
+            .iter()
+            .map(|url| {
+                url.parse::<async_nats::ServerAddr>()
+                    .map_err(|e| ConnectError::BadUrl {
+                        url: url.clone(),
+                        reason: e.to_string(),
+                    })
+            })
+            .collect()
+    }
+
+    async fn connect_options(&self) -> Result<async_nats::ConnectOptions, ConnectError> {
+        let mut opts = async_nats::ConnectOptions::new();
+        match (&self.user, &self.password) {
+            (Some(user), Some(pass)) => {
+                opts = opts.user_and_password(user.clone(), pass.clone());
+            }
+            (None, None) => {}
+            _ => return Err(ConnectError::HalfCredentials),
+        }
+        if let Some(token) = &self.token {
+            opts = opts.token(token.clone());
+        }
+        if let Some(seed) = &self.nkey_seed {
+            opts = opts.nkey(seed.clone());
+        }
+        if let Some(path) = &self.creds_file {
+            opts = opts
+                .credentials_file(path)
+                .await
+                .map_err(|source| ConnectError::CredsFile {
+                    path: path.clone(),
+                    source,
+                })?;
+        }
+        if let Some(ca) = &self.tls_ca {
+            opts = opts.add_root_certificates(ca.clone());
+        }
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => {
+                opts = opts.add_client_certificate(cert.clone(), key.clone());
+            }
+            (None, None) => {}
+            _ => return Err(ConnectError::HalfClientCert),
+        }
+        if let Some(name) = &self.name {
+            opts = opts.name(name);
+        }
+        let max_delay = Duration::from_millis(self.max_reconnect_delay_ms.max(10));
+        Ok(opts
+            .require_tls(self.require_tls)
+            .retry_on_initial_connect()
+            .max_reconnects(None)
+            .connection_timeout(Duration::from_secs(2))
+            .ping_interval(Duration::from_secs(5))
+            // Callers bound every request themselves.
+            .request_timeout(None)
+            .reconnect_delay_callback(move |attempts| {
+                let step = Duration::from_millis(25).saturating_mul(1 << attempts.min(10) as u32);
+                step.min(max_delay)
+            }))
+    }
+
+    /// A client that is returned at once and connects in the background.
+    pub async fn connect(&self) -> Result<async_nats::Client, ConnectError> {
+        let addrs = self.server_addrs()?;
+        let opts = self.connect_options().await?;
+        opts.connect(addrs)
+            .await
+            .map_err(|e| ConnectError::Client(e.to_string()))
+    }
+}

@@ -1,0 +1,38 @@
+//! Where a shard's changes go before (claims) or after (buckets) its answer.
+//!
+//! A claim answered `Ok`, and a settle answered `Ok`, must be durable before the
+//! answer leaves the node; bucket TATs may trail behind. [`Persistence`] is that
+//! seam: in memory only (tests, a lone node) or JetStream KV.
+
+use ankusa_actors::Changes;
+
+/// Why changes could not be made durable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PersistError {
+    #[error("KV write failed: {0}")]
+    Write(String),
+    #[error("the KV writer has stopped")]
+    Stopped,
+}
+
+/// How a shard's changes are kept.
+#[derive(Clone)]
+pub enum Persistence {
+    /// Nothing outlives the process.
+    Memory,
+}
+
+impl Persistence {
+    /// Makes `changes` of `tenant` on `shard` as durable as this persistence is:
+    /// returns once the claim change (if any) is acknowledged.
+    pub async fn record(
+        &self,
+        _shard: u32,
+        _tenant: &str,
+        _changes: &Changes,
+    ) -> Result<(), PersistError> {
+        match self {
+            Persistence::Memory => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,311 @@
+//! The node's side of the protocol for one shard: [`ShardResponder`] takes the
+//! requests on the shard's subject, hands them to its `ShardActor`, makes the
+//! changes durable and answers.
+//!
+//! Requests are handed to the actor in the order they arrive (a cast, without
+//! waiting), and only the wait for each answer runs concurrently, so one slow
+//! tenant never holds the subscription. Every payload gets an answer when it has
+//! a reply subject: an error reply for anything malformed, of an unknown version,
+//! for another shard, or past its deadline. Nothing here can panic on input.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ankusa_actors::actor::{Job, ShardMsg};
+use ankusa_actors::{Changes, Refused};
+use futures::future::{join_all, BoxFuture};
+use futures::{FutureExt, StreamExt};
+use ractor::ActorRef;
+use tokio::sync::{oneshot, watch, Notify};
+use tokio::task::JoinHandle;
+
+use crate::persist::Persistence;
+use crate::protocol::{ErrorCode, ErrorReply, Op, Reply, ReplyBody, Request};
+use crate::shard::shard_of;
+
+/// What a responder needs to serve one shard.
+#[derive(Clone)]
+pub struct ShardContext {
+    pub shard: u32,
+    pub shards: u32,
+    pub subject: String,
+    pub actor: ActorRef<ShardMsg>,
+    pub persistence: Persistence,
+}
+
+/// A running responder. Stopping it unsubscribes first, then waits for the
+/// answers already in flight, so nothing accepted is left unanswered.
+pub struct ShardResponder {
+    stop: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl ShardResponder {
+    /// Subscribes to the shard's subject and starts answering.
+    pub async fn start(
+        client: async_nats::Client,
+        ctx: ShardContext,
+    ) -> Result<Self, async_nats::SubscribeError> {
+        let subscription = client.subscribe(ctx.subject.clone()).await?;
+        let (stop, stopped) = watch::channel(false);
+        let task = tokio::spawn(run(client, ctx, subscription, stopped));
+        Ok(Self { stop, task })
+    }
+
+    /// Stops taking requests and waits (at most `grace`) for those in flight.
+    pub async fn stop(self, grace: Duration) {
+        let _ = self.stop.send(true);
+        if tokio::time::timeout(grace, self.task).await.is_err() {
+            tracing::warn!("responder did not finish its in-flight answers within {grace:?}");
+        }
+    }
+}
+
+/// Answers in flight, so that a stop can wait for them.
+#[derive(Default)]
+struct InFlight {
+    count: AtomicUsize,
+    idle: Notify,
+}
+
+impl InFlight {
+    fn enter(self: &Arc<Self>) -> InFlightGuard {
+        self.count.fetch_add(1, Ordering::AcqRel);
+        InFlightGuard(self.clone())
+    }
+
+    async fn wait_idle(&self) {
+        loop {
+            let notified = self.idle.notified();
+            if self.count.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+struct InFlightGuard(Arc<InFlight>);
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        if self.0.count.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
+async fn run(
+    client: async_nats::Client,
+    ctx: ShardContext,
+    mut subscription: async_nats::Subscriber,
+    mut stopped: watch::Receiver<bool>,
+) {
+    let in_flight = Arc::new(InFlight::default());
+    loop {
+        let message = tokio::select! {
+            message = subscription.next() => message,
+            _ = stopped.changed() => None,
+        };
+        let Some(message) = message else { break };
+        let Some(reply_to) = message.reply.clone() else {
+            metrics::counter!("ankusa_requests_refused_total", "code" => "no_reply_subject")
+                .increment(1);
+            continue;
+        };
+        let received = Instant::now();
+        let answer = match Request::decode(&message.payload) {
+            Ok(request) => dispatch(&ctx, request, received),
+            Err(err) => ready(ReplyBody::Error(err.into())),
+        };
+        let guard = in_flight.enter();
+        let client = client.clone();
+        tokio::spawn(async move {
+            let body = answer.await;
+            count(&body);
+            if let Err(err) = client
+                .publish(reply_to, Reply::new(body).encode().into())
+                .await
+            {
+                tracing::debug!(error = %err, "reply not sent");
+            }
+            drop(guard);
+        });
+    }
+    let _ = subscription.unsubscribe().await;
+    in_flight.wait_idle().await;
+    let _ = client.flush().await;
+}
+
+fn count(body: &ReplyBody) {
+    let result = match body {
+        ReplyBody::Hit(outcome) => match outcome {
+            ankusa_actors::HitOutcome::Ok => "ok",
+            ankusa_actors::HitOutcome::Duplicate { .. } => "duplicate",
+            ankusa_actors::HitOutcome::Pending { .. } => "pending",
+            ankusa_actors::HitOutcome::RateLimited { .. } => "rate_limited",
+        },
+        ReplyBody::Settle(_) => "settled",
+        ReplyBody::Reset => "reset",
+        ReplyBody::Batch(items) => {
+            items.iter().for_each(|item| count(&item.body));
+            return;
+        }
+        ReplyBody::Error(err) => {
+            metrics::counter!("ankusa_requests_refused_total", "code" => err.code.to_string())
+                .increment(1);
+            return;
+        }
+    };
+    metrics::counter!("ankusa_requests_total", "result" => result).increment(1);
+}
+
+fn ready(body: ReplyBody) -> BoxFuture<'static, ReplyBody> {
+    futures::future::ready(body).boxed()
+}
+
+fn refused(why: Refused) -> ReplyBody {
+    ReplyBody::Error(match why {
+        Refused::Invalid(invalid) => ErrorReply::invalid(invalid),
+        Refused::DeadlineExpired => ErrorReply::new(ErrorCode::DeadlineExpired, why.to_string()),
+        Refused::Overloaded { .. } => ErrorReply::new(ErrorCode::Overloaded, why.to_string()),
+        Refused::Unavailable => ErrorReply::new(ErrorCode::Unavailable, why.to_string()),
+    })
+}
+
+fn unavailable(message: impl Into<String>) -> ReplyBody {
+    ReplyBody::Error(ErrorReply::new(ErrorCode::Unavailable, message))
+}
+
+/// Hands one request to the actor now and returns the future of its answer.
+fn dispatch(
+    ctx: &ShardContext,
+    request: Request,
+    received: Instant,
+) -> BoxFuture<'static, ReplyBody> {
+    if let Err(err) = request.validate() {
+        return ready(ReplyBody::Error(err));
+    }
+    if request.timeout_ms == 0 {
+        return ready(ReplyBody::Error(ErrorReply::new(
+            ErrorCode::DeadlineExpired,
+            "timeout_ms is 0: the caller has already given up",
+        )));
+    }
+    if let Some(tenant) = request.tenant() {
+        let owner = shard_of(tenant, ctx.shards);
+        if owner != ctx.shard {
+            return ready(ReplyBody::Error(ErrorReply::new(
+                ErrorCode::WrongShard,
+                format!(
+                    "tenant belongs to shard {owner} of {}, not {}",
+                    ctx.shards, ctx.shard
+                ),
+            )));
+        }
+    }
+    let deadline = Some(received + Duration::from_millis(request.timeout_ms));
+    let shard = ctx.shard;
+    let persistence = ctx.persistence.clone();
+    match request.op {
+        Op::Hit(req) => {
+            let tenant = req.tenant().to_owned();
+            let (reply, rx) = oneshot::channel();
+            if ctx
+                .actor
+                .cast(ShardMsg::Hit(Job {
+                    req,
+                    deadline,
+                    reply: reply.into(),
+                }))
+                .is_err()
+            {
+                return ready(unavailable("shard actor is not running"));
+            }
+            async move {
+                match rx.await {
+                    Ok(Ok(applied)) => persisted(&persistence, shard, &tenant, &applied.changes)
+                        .await
+                        .unwrap_or(ReplyBody::Hit(applied.outcome)),
+                    Ok(Err(why)) => refused(why),
+                    Err(_) => unavailable("shard actor dropped the request"),
+                }
+            }
+            .boxed()
+        }
+        Op::Settle(req) => {
+            let tenant = req.claim.tenant.clone();
+            let (reply, rx) = oneshot::channel();
+            if ctx
+                .actor
+                .cast(ShardMsg::Settle(Job {
+                    req,
+                    deadline,
+                    reply: reply.into(),
+                }))
+                .is_err()
+            {
+                return ready(unavailable("shard actor is not running"));
+            }
+            async move {
+                match rx.await {
+                    Ok(Ok(applied)) => persisted(&persistence, shard, &tenant, &applied.changes)
+                        .await
+                        .unwrap_or(ReplyBody::Settle(applied.outcome)),
+                    Ok(Err(why)) => refused(why),
+                    Err(_) => unavailable("shard actor dropped the request"),
+                }
+            }
+            .boxed()
+        }
+        Op::Reset { tenant } => {
+            let (reply, rx) = oneshot::channel();
+            let msg = ShardMsg::Reset {
+                tenant: tenant.clone(),
+                reply: reply.into(),
+            };
+            if ctx.actor.cast(msg).is_err() {
+                return ready(unavailable("shard actor is not running"));
+            }
+            async move {
+                match rx.await {
+                    Ok(Ok(changes)) => persisted(&persistence, shard, &tenant, &changes)
+                        .await
+                        .unwrap_or(ReplyBody::Reset),
+                    Ok(Err(why)) => refused(why),
+                    Err(_) => unavailable("shard actor dropped the request"),
+                }
+            }
+            .boxed()
+        }
+        Op::Batch(items) => {
+            let answers: Vec<_> = items
+                .into_iter()
+                .map(|item| dispatch(ctx, item, received))
+                .collect();
+            async move {
+                let bodies = join_all(answers).await;
+                ReplyBody::Batch(bodies.into_iter().map(Reply::new).collect())
+            }
+            .boxed()
+        }
+    }
+}
+
+/// `None` once the changes are as durable as the persistence makes them, or
+/// the error to answer instead of the outcome.
+async fn persisted(
+    persistence: &Persistence,
+    shard: u32,
+    tenant: &str,
+    changes: &Changes,
+) -> Option<ReplyBody> {
+    if changes.is_empty() {
+        return None;
+    }
+    match persistence.record(shard, tenant, changes).await {
+        Ok(()) => None,
+        Err(err) => Some(unavailable(format!("not persisted: {err}"))),
+    }
+}

@@ -1,0 +1,380 @@
+//! `ankusa-node` configuration: a TOML file, then `ANKUSA_*` environment
+//! variables, then flags, each overriding the one before; validated once at start
+//! with messages that say what to change.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ankusa_bus::shard::MAX_SHARDS;
+use ankusa_bus::{NatsOptions, Subjects};
+use clap::{Args, ValueEnum};
+use serde::{Deserialize, Serialize};
+
+/// How a node decides which shards it serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Share the shards with the other nodes of the instance through KV leases,
+    /// and persist claims and buckets in JetStream KV.
+    Fleet,
+    /// Serve every shard alone, state in memory only (development, tests).
+    Standalone,
+}
+
+/// How logs are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Human,
+    Json,
+}
+
+/// Everything a node is configured with. Field docs are the reference
+/// (`docs/configuration.md` mirrors them).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NodeConfig {
+    /// The fleet this node belongs to; names its subjects and KV buckets.
+    pub instance: String,
+    /// This node's name, unique in the instance and stable across restarts.
+    pub node_id: String,
+    /// Shard count of the instance; every node and edge must agree.
+    pub shards: u32,
+    pub mode: Mode,
+    pub nats: NatsOptions,
+    /// Replicas of the KV buckets (3 on a 3-server cluster).
+    pub kv_replicas: usize,
+    /// A lease lives this long unless renewed.
+    pub lease_ttl_ms: u64,
+    /// A node stops answering for a shard this long before its lease would lapse.
+    pub lease_margin_ms: u64,
+    /// How often leases are renewed and the shard map is rebalanced.
+    pub lease_renew_ms: u64,
+    /// Bucket TATs are written to KV at most this often per bucket.
+    pub write_behind_ms: u64,
+    /// A tenant actor with no request for this long is retired.
+    pub idle_after_ms: u64,
+    /// Expired claims are swept this often.
+    pub sweep_every_ms: u64,
+    /// Requests one tenant may have queued before more are shed.
+    pub tenant_queue: usize,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served; empty to disable.
+    pub http_addr: Option<SocketAddr>,
+    pub log_format: LogFormat,
+    /// Log filter, as `RUST_LOG` (e.g. `info`, `ankusa=debug`).
+    pub log_level: String,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        Self {
+            instance: "default".into(),
+            node_id: default_node_id(),
+            shards: 64,
+            mode: Mode::Fleet,
+            nats: NatsOptions::default(),
+            kv_replicas: 1,
+            lease_ttl_ms: 5_000,
+            lease_margin_ms: 1_000,
+            lease_renew_ms: 1_000,
+            write_behind_ms: 100,
+            idle_after_ms: 30_000,
+            sweep_every_ms: 5_000,
+            tenant_queue: 1024,
+            http_addr: Some(SocketAddr::from(([127, 0, 0, 1], 9464))),
+            log_format: LogFormat::Human,
+            log_level: "info".into(),
+        }
+    }
+}
+
+fn default_node_id() -> String {
+    let host = std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "node".into());
+    format!("{host}-{}", std::process::id())
+}
+
+/// Flags and `ANKUSA_*` variables; each one set overrides the file.
+#[derive(Debug, Clone, Default, Args)]
+pub struct Overrides {
+    /// Fleet instance name (a-z, 0-9, `_`, `-`) [default: default]
+    #[arg(long, env = "ANKUSA_INSTANCE")]
+    pub instance: Option<String>,
+    /// This node's unique, stable name [default: <hostname>-<pid>]
+    #[arg(long, env = "ANKUSA_NODE_ID")]
+    pub node_id: Option<String>,
+    /// Shards of the instance, 1..=4096; all nodes and edges must agree [default: 64]
+    #[arg(long, env = "ANKUSA_SHARDS")]
+    pub shards: Option<u32>,
+    /// fleet: share shards through KV leases and persist to KV; standalone: serve all shards in memory [default: fleet]
+    #[arg(long, env = "ANKUSA_MODE", value_enum)]
+    pub mode: Option<Mode>,
+    /// NATS server URL; repeat or comma-separate for a cluster [default: nats://127.0.0.1:4222]
+    #[arg(long = "nats", env = "ANKUSA_NATS", value_delimiter = ',')]
+    pub nats_servers: Vec<String>,
+    /// NATS user (with --nats-password)
+    #[arg(long, env = "ANKUSA_NATS_USER")]
+    pub nats_user: Option<String>,
+    /// NATS password
+    #[arg(long, env = "ANKUSA_NATS_PASSWORD", hide_env_values = true)]
+    pub nats_password: Option<String>,
+    /// NATS token
+    #[arg(long, env = "ANKUSA_NATS_TOKEN", hide_env_values = true)]
+    pub nats_token: Option<String>,
+    /// NATS credentials file (.creds)
+    #[arg(long, env = "ANKUSA_NATS_CREDS")]
+    pub nats_creds: Option<PathBuf>,
+    /// CA certificate (PEM) to verify the NATS server
+    #[arg(long, env = "ANKUSA_NATS_TLS_CA")]
+    pub nats_tls_ca: Option<PathBuf>,
+    /// KV bucket replicas (3 on a 3-server cluster) [default: 1]
+    #[arg(long, env = "ANKUSA_KV_REPLICAS")]
+    pub kv_replicas: Option<usize>,
+    /// Lease time to live, ms [default: 5000]
+    #[arg(long, env = "ANKUSA_LEASE_TTL_MS")]
+    pub lease_ttl_ms: Option<u64>,
+    /// Stop answering this long before a lease would lapse, ms [default: 1000]
+    #[arg(long, env = "ANKUSA_LEASE_MARGIN_MS")]
+    pub lease_margin_ms: Option<u64>,
+    /// Lease renewal and rebalance period, ms [default: 1000]
+    #[arg(long, env = "ANKUSA_LEASE_RENEW_MS")]
+    pub lease_renew_ms: Option<u64>,
+    /// Bucket write-behind interval, ms [default: 100]
+    #[arg(long, env = "ANKUSA_WRITE_BEHIND_MS")]
+    pub write_behind_ms: Option<u64>,
+    /// Requests a tenant may queue before being shed [default: 1024]
+    #[arg(long, env = "ANKUSA_TENANT_QUEUE")]
+    pub tenant_queue: Option<usize>,
+    /// Address for /metrics, /healthz, /readyz; `off` to disable [default: 127.0.0.1:9464]
+    #[arg(long, env = "ANKUSA_HTTP_ADDR")]
+    pub http_addr: Option<String>,
+    /// Log format [default: human]
+    #[arg(long, env = "ANKUSA_LOG_FORMAT", value_enum)]
+    pub log_format: Option<LogFormat>,
+    /// Log filter, as RUST_LOG [default: info]
+    #[arg(long, env = "ANKUSA_LOG")]
+    pub log_level: Option<String>,
+}
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("parsing {path}: {source}")]
+    Parse {
+        path: PathBuf,
+        source: Box<toml::de::Error>,
+    },
+    #[error("invalid setting `{field}`: {reason}")]
+    Invalid { field: &'static str, reason: String },
+}
+
+fn invalid(field: &'static str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field,
+        reason: reason.into(),
+    }
+}
+
+impl NodeConfig {
+    /// The file (if any) with the overrides applied, validated.
+    pub fn load(file: Option<&Path>, overrides: &Overrides) -> Result<Self, ConfigError> {
+        let mut config = match file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                    path: path.to_owned(),
+                    source,
+                })?;
+                toml::from_str(&text).map_err(|source| ConfigError::Parse {
+                    path: path.to_owned(),
+                    source: Box::new(source),
+                })?
+            }
+            None => NodeConfig::default(),
+        };
+        config.apply(overrides)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn apply(&mut self, o: &Overrides) -> Result<(), ConfigError> {
+        fn set<T: Clone>(slot: &mut T, value: &Option<T>) {
+            if let Some(v) = value {
+                *slot = v.clone();
+            }
+        }
+        set(&mut self.instance, &o.instance);
+        set(&mut self.node_id, &o.node_id);
+        set(&mut self.shards, &o.shards);
+        set(&mut self.mode, &o.mode);
+        if !o.nats_servers.is_empty() {
+            self.nats.servers = o.nats_servers.clone();
+        }
+        if o.nats_user.is_some() {
+            self.nats.user = o.nats_user.clone();
+        }
+        if o.nats_password.is_some() {
+            self.nats.password = o.nats_password.clone();
+        }
+        if o.nats_token.is_some() {
+            self.nats.token = o.nats_token.clone();
+        }
+        if o.nats_creds.is_some() {
+            self.nats.creds_file = o.nats_creds.clone();
+        }
+        if o.nats_tls_ca.is_some() {
+            self.nats.tls_ca = o.nats_tls_ca.clone();
+        }
+        set(&mut self.kv_replicas, &o.kv_replicas);
+        set(&mut self.lease_ttl_ms, &o.lease_ttl_ms);
+        set(&mut self.lease_margin_ms, &o.lease_margin_ms);
+        set(&mut self.lease_renew_ms, &o.lease_renew_ms);
+        set(&mut self.write_behind_ms, &o.write_behind_ms);
+        set(&mut self.tenant_queue, &o.tenant_queue);
+        set(&mut self.log_format, &o.log_format);
+        set(&mut self.log_level, &o.log_level);
+        if let Some(addr) = &o.http_addr {
+            self.http_addr = match addr.as_str() {
+                "" | "off" | "none" => None,
+                text => Some(
+                    text.parse()
+                        .map_err(|e| invalid("http_addr", format!("`{text}`: {e}")))?,
+                ),
+            };
+        }
+        Ok(())
+    }
+
+    /// Checks every setting against the others.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        Subjects::new(&self.instance).map_err(|e| invalid("instance", e.to_string()))?;
+        if self.node_id.is_empty() || self.node_id.len() > 128 {
+            return Err(invalid("node_id", "must be 1 to 128 bytes"));
+        }
+        if !self
+            .node_id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            return Err(invalid(
+                "node_id",
+                format!("`{}` may only hold A-Z, a-z, 0-9, `-`, `_`", self.node_id),
+            ));
+        }
+        if self.shards == 0 || self.shards > MAX_SHARDS {
+            return Err(invalid(
+                "shards",
+                format!("{} is not in 1..={MAX_SHARDS}", self.shards),
+            ));
+        }
+        if self.nats.servers.is_empty() {
+            return Err(invalid("nats.servers", "at least one NATS URL is needed"));
+        }
+        if !(1..=5).contains(&self.kv_replicas) {
+            return Err(invalid("kv_replicas", "must be 1 to 5"));
+        }
+        if self.lease_ttl_ms < 1_000 {
+            return Err(invalid(
+                "lease_ttl_ms",
+                "must be at least 1000 (KV per-message TTL is in whole seconds)",
+            ));
+        }
+        if self.lease_margin_ms + self.lease_renew_ms >= self.lease_ttl_ms {
+            return Err(invalid(
+                "lease_renew_ms",
+                format!(
+                    "renew period ({}) + safety margin ({}) must be below the lease TTL ({}), or leases lapse between renewals",
+                    self.lease_renew_ms, self.lease_margin_ms, self.lease_ttl_ms
+                ),
+            ));
+        }
+        if self.lease_renew_ms == 0 || self.write_behind_ms == 0 || self.sweep_every_ms == 0 {
+            return Err(invalid(
+                "lease_renew_ms/write_behind_ms/sweep_every_ms",
+                "periods must be above 0",
+            ));
+        }
+        if self.tenant_queue == 0 {
+            return Err(invalid("tenant_queue", "must be at least 1"));
+        }
+        Ok(())
+    }
+
+    pub fn subjects(&self) -> Subjects {
+        // Validated in `validate`; the fallback is unreachable in a loaded config.
+        Subjects::new(&self.instance)
+            .unwrap_or_else(|_| Subjects::new("default").expect("valid name"))
+    }
+
+    pub fn lease_ttl(&self) -> Duration {
+        Duration::from_millis(self.lease_ttl_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_then_overrides_then_validation() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("node.toml");
+        std::fs::write(
+            &path,
+            "instance = \"prod\"\nshards = 16\nnode_id = \"a\"\n[nats]\nservers = [\"nats://10.0.0.1:4222\"]\n",
+        )
+        .unwrap();
+        let overrides = Overrides {
+            shards: Some(32),
+            ..Overrides::default()
+        };
+        let config = NodeConfig::load(Some(&path), &overrides).unwrap();
+        assert_eq!(config.instance, "prod");
+        assert_eq!(config.shards, 32);
+        assert_eq!(
+            config.nats.servers,
+            vec!["nats://10.0.0.1:4222".to_string()]
+        );
+    }
+
+    #[test]
+    fn clear_refusals() {
+        let bad = |o: Overrides| NodeConfig::load(None, &o).unwrap_err().to_string();
+        assert!(bad(Overrides {
+            shards: Some(0),
+            ..Default::default()
+        })
+        .contains("shards"));
+        assert!(bad(Overrides {
+            instance: Some("A.B".into()),
+            ..Default::default()
+        })
+        .contains("instance"));
+        assert!(bad(Overrides {
+            lease_ttl_ms: Some(1500),
+            ..Default::default()
+        })
+        .contains("lease"));
+        assert!(bad(Overrides {
+            http_addr: Some("nope".into()),
+            ..Default::default()
+        })
+        .contains("http_addr"));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("node.toml");
+        std::fs::write(&path, "shardz = 3\n").unwrap();
+        let err = NodeConfig::load(Some(&path), &Overrides::default())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("shardz"), "{err}");
+    }
+}
