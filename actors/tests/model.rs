@@ -251,18 +251,15 @@ impl Model {
     /// only if its last accepted commit of the key is still within `ttl_ms` and it
     /// has not released the key since.
     fn duplicate_is_justified(&self, now: u64, key: usize, hook: usize) -> bool {
-        let mine = self
+        let last = self
             .settle_log
             .iter()
             .rev()
-            .filter(|(k, h, _, _)| *k == key && *h == hook);
-        for &(_, _, settled, at) in mine {
-            match settled {
-                Settled::Release => return false,
-                Settled::Commit => return at + self.limits.ttl_ms * 1_000 > now,
-            }
+            .find(|(k, h, _, _)| *k == key && *h == hook);
+        match last {
+            Some(&(_, _, Settled::Commit, at)) => at + self.limits.ttl_ms * 1_000 > now,
+            Some(&(_, _, Settled::Release, _)) | None => false,
         }
-        false
     }
 }
 
