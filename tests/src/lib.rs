@@ -1,1 +1,21 @@
 //! Test support: real nats-server and ankusa-node processes on loopback.
+//!
+//! Everything here starts real processes (no mocks), binds only 127.0.0.1, keeps its
+//! state in temporary directories and kills what it started when the handle drops,
+//! including during a panic unwinding out of a failed test.
+//!
+//! - [`nats`]: single `nats-server` with JetStream ([`NatsServer`]) and routed
+//!   clusters ([`NatsCluster`]), plus locating the binary ([`nats_server_bin`]).
+//! - [`process`]: a generic child-process handle ([`ChildProcess`]) for our own
+//!   binaries and [`cargo_bin`] to locate (and build) them.
+//! - [`ports`]: free loopback ports that are not handed out twice per test process.
+
+pub mod error;
+pub mod nats;
+pub mod ports;
+pub mod process;
+
+pub use error::HarnessError;
+pub use nats::{nats_server_bin, try_nats_server_bin, NatsCluster, NatsServer, ServerConfig};
+pub use ports::free_port;
+pub use process::{cargo_bin, try_cargo_bin, ChildProcess, Signal};
