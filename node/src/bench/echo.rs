@@ -1,0 +1,210 @@
+//! The bare NATS transport baseline: what a hit costs when the node does nothing.
+//!
+//! [`EchoStore`] sends exactly the bytes the fleet's edge client sends (a
+//! [`Request`] encoded in MessagePack, with the call's budget) by NATS
+//! request-reply and decodes the [`Reply`] the same way; [`EchoResponder`]
+//! answers every request at once with a fixed, pre-encoded reply and never
+//! decodes anything. The difference between the fleet and this is what the
+//! node's work (routing, actors, persistence) costs above the transport.
+//!
+//! The responder serves one wildcard subscription, `<base>.*`, and picks its
+//! reply by the subject's last token (`hit`, `settle`, `reset`), so that a
+//! settle gets a settle answer without the responder reading the payload.
+
+use std::time::Duration;
+
+use ankusa_actors::{HitOutcome, HitRequest, SettleOutcome, SettleRequest};
+use ankusa_bus::{Op, Reply, ReplyBody, Request, Store, StoreError};
+use async_nats::{Client, RequestErrorKind};
+use bytes::Bytes;
+use futures::StreamExt;
+use tokio::task::JoinHandle;
+
+/// Why an [`EchoResponder`] could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum EchoError {
+    #[error("cannot subscribe to `{subject}`: {message}")]
+    Subscribe { subject: String, message: String },
+    #[error("cannot flush the subscription to the server: {0}")]
+    Flush(String),
+    #[error("`{0}` is not a valid base subject (empty, or has a wildcard or whitespace)")]
+    BadSubject(String),
+}
+
+fn check_base(base: &str) -> Result<(), EchoError> {
+    let bad = base.is_empty()
+        || base.starts_with('.')
+        || base.ends_with('.')
+        || base
+            .chars()
+            .any(|c| c.is_whitespace() || c == '*' || c == '>');
+    if bad {
+        Err(EchoError::BadSubject(base.to_string()))
+    } else {
+        Ok(())
+    }
+}
+
+/// Answers every request on `<base>.*` with a fixed reply, until dropped.
+#[derive(Debug)]
+pub struct EchoResponder {
+    base: String,
+    task: JoinHandle<()>,
+}
+
+impl EchoResponder {
+    /// Subscribes to `<base>.*` and starts answering. Returns once the server
+    /// has the subscription, so a request sent right after finds a responder.
+    pub async fn start(client: Client, base: impl Into<String>) -> Result<Self, EchoError> {
+        let base = base.into();
+        check_base(&base)?;
+        let subject = format!("{base}.*");
+        let mut sub =
+            client
+                .subscribe(subject.clone())
+                .await
+                .map_err(|e| EchoError::Subscribe {
+                    subject: subject.clone(),
+                    message: e.to_string(),
+                })?;
+        client
+            .flush()
+            .await
+            .map_err(|e| EchoError::Flush(e.to_string()))?;
+
+        // Encoded once: the responder's work per request is one publish.
+        let hit = Bytes::from(Reply::new(ReplyBody::Hit(HitOutcome::Ok)).encode());
+        let settle = Bytes::from(Reply::new(ReplyBody::Settle(SettleOutcome::Ok)).encode());
+        let reset = Bytes::from(Reply::new(ReplyBody::Reset).encode());
+        let task = tokio::spawn(async move {
+            while let Some(msg) = sub.next().await {
+                // A message without a reply subject is a publish, not a request.
+                let Some(reply_to) = msg.reply else { continue };
+                let payload = match msg.subject.rsplit('.').next() {
+                    Some("settle") => settle.clone(),
+                    Some("reset") => reset.clone(),
+                    _ => hit.clone(),
+                };
+                if let Err(err) = client.publish(reply_to, payload).await {
+                    // The client is closed or its buffer is gone: nothing more
+                    // can be answered, so stop rather than spin.
+                    tracing::debug!(%err, "echo responder cannot publish; stopping");
+                    break;
+                }
+            }
+        });
+        Ok(Self { base, task })
+    }
+
+    /// The base subject; requests go to `<base>.hit`, `<base>.settle`, `<base>.reset`.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+}
+
+impl Drop for EchoResponder {
+    fn drop(&mut self) {
+        // Dropping the task drops its subscriber, which unsubscribes.
+        self.task.abort();
+    }
+}
+
+/// A [`Store`] that talks to an [`EchoResponder`] exactly as the fleet client
+/// talks to a node: same encoded request, same reply decoding, same budget.
+#[derive(Debug, Clone)]
+pub struct EchoStore {
+    client: Client,
+    hit_subject: String,
+    settle_subject: String,
+    reset_subject: String,
+}
+
+impl EchoStore {
+    /// A store sending to the responder on `base` over `client`.
+    pub fn new(client: Client, base: &str) -> Self {
+        Self {
+            client,
+            hit_subject: format!("{base}.hit"),
+            settle_subject: format!("{base}.settle"),
+            reset_subject: format!("{base}.reset"),
+        }
+    }
+
+    async fn call(&self, subject: &str, op: Op, timeout: Duration) -> Result<Reply, StoreError> {
+        if self.client.connection_state() != async_nats::connection::State::Connected {
+            return Err(StoreError::Disconnected);
+        }
+        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        let payload = Bytes::from(Request::new(timeout_ms, op).encode());
+        let sent = self.client.request(subject.to_string(), payload);
+        let msg = match tokio::time::timeout(timeout, sent).await {
+            Err(_) => return Err(StoreError::Timeout(timeout)),
+            Ok(Err(err)) => {
+                return Err(match err.kind() {
+                    RequestErrorKind::TimedOut => StoreError::Timeout(timeout),
+                    RequestErrorKind::NoResponders => StoreError::NoResponders,
+                    _ => StoreError::Transport(err.to_string()),
+                })
+            }
+            Ok(Ok(msg)) => msg,
+        };
+        Reply::decode(&msg.payload).map_err(|e| StoreError::BadReply(e.to_string()))
+    }
+}
+
+fn unexpected(what: &str, body: ReplyBody) -> StoreError {
+    match body {
+        ReplyBody::Error(err) => StoreError::Refused(err),
+        other => StoreError::BadReply(format!("a {what} was answered with {other:?}")),
+    }
+}
+
+impl Store for EchoStore {
+    async fn hit(&self, req: HitRequest, timeout: Duration) -> Result<HitOutcome, StoreError> {
+        req.validate()?;
+        let subject = self.hit_subject.as_str();
+        match self.call(subject, Op::Hit(req), timeout).await?.body {
+            ReplyBody::Hit(outcome) => Ok(outcome),
+            other => Err(unexpected("hit", other)),
+        }
+    }
+
+    async fn settle(
+        &self,
+        req: SettleRequest,
+        timeout: Duration,
+    ) -> Result<SettleOutcome, StoreError> {
+        req.validate()?;
+        let subject = self.settle_subject.as_str();
+        match self.call(subject, Op::Settle(req), timeout).await?.body {
+            ReplyBody::Settle(outcome) => Ok(outcome),
+            other => Err(unexpected("settle", other)),
+        }
+    }
+
+    async fn reset(&self, tenant: String, timeout: Duration) -> Result<(), StoreError> {
+        ankusa_actors::types::validate_tenant(&tenant)?;
+        let subject = self.reset_subject.as_str();
+        match self
+            .call(subject, Op::Reset { tenant }, timeout)
+            .await?
+            .body
+        {
+            ReplyBody::Reset => Ok(()),
+            other => Err(unexpected("reset", other)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base_subjects_are_checked() {
+        assert!(check_base("bench.echo").is_ok());
+        for bad in ["", ".x", "x.", "a.*", "a.>", "a b"] {
+            assert!(check_base(bad).is_err(), "{bad:?} should be refused");
+        }
+    }
+}

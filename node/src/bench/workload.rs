@@ -1,0 +1,1319 @@
+//! The workload driver: hooks arriving for many tenants, run against any
+//! [`Store`], with the same shape whatever is behind it.
+//!
+//! Each hit charges a tenant's two buckets (`hooks`: one hook; `bytes`: the
+//! payload's size) and, in [`WorkloadConfig::claim_share`] of hits, claims a
+//! provider event key. A claim uses a fresh key, except that
+//! [`WorkloadConfig::duplicate_rate`] of them re-use a key committed a moment
+//! ago with a new hook id — a redelivery, which must be answered `Duplicate`.
+//! Every `Ok` with a claim is followed by its settle: a commit, or a release in
+//! [`WorkloadConfig::release_share`] of them.
+//!
+//! Two ways to apply load ([`LoadMode`]):
+//! - **fixed concurrency** (closed loop): N workers, each with one call in
+//!   flight at a time; latency is from each call's send;
+//! - **fixed offered rate** (open loop): hit *i* is due at `start + i / rate`,
+//!   whether or not earlier ones have been answered, and its latency is measured
+//!   from that *intended* time, so a stall is charged to every hit it delayed
+//!   (no coordinated omission). `max_in_flight` bounds memory; a hit waiting for
+//!   a slot is still timed from when it was due.
+//!
+//! A run is bounded by its duration and by `max_hits`; every call by the
+//! per-call timeout (and a store that overruns it is counted as such). The run
+//! uses tenant names and keys unique to it, so runs against a long-lived store
+//! do not see each other's buckets or claims.
+//!
+//! Latency of every answered call is recorded, errors included (a timeout costs
+//! the sender its whole budget), in HDR histograms at µs resolution.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::io::IsTerminal;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ankusa_actors::{
+    Charge, Claim, HitOutcome, HitRequest, Kind, SettleOutcome, SettleRequest, Settlement,
+};
+use ankusa_bus::{Store, StoreError};
+use hdrhistogram::Histogram;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, Zipf};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, Semaphore};
+use tokio::time::Instant;
+
+/// The longest run a config may ask for.
+pub const MAX_DURATION: Duration = Duration::from_secs(3600);
+/// Most calls one run may have in flight.
+pub const MAX_IN_FLIGHT: usize = 65_536;
+/// How long past its own budget a store may take before the driver gives up on
+/// the call and counts it as `budget_overrun` (the contract's limit is hard).
+pub const OVERRUN_GRACE: Duration = Duration::from_millis(25);
+/// How many recently committed keys are kept for duplicates to draw from.
+const RECENT_KEYS: usize = 4096;
+/// Histogram range: 1 µs .. 60 s, 3 significant digits.
+const HIST_MAX_US: u64 = 60_000_000;
+/// An open-loop hit sent this long after it was due counts as a late send.
+const LATE_SEND: Duration = Duration::from_millis(1);
+
+/// How a config can be wrong.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum WorkloadError {
+    #[error("`{field}` must be {rule}, got {value}")]
+    Invalid {
+        field: &'static str,
+        rule: &'static str,
+        value: String,
+    },
+    #[error("a workload task panicked: {0}")]
+    Task(String),
+}
+
+fn invalid(field: &'static str, rule: &'static str, value: impl fmt::Display) -> WorkloadError {
+    WorkloadError::Invalid {
+        field,
+        rule,
+        value: value.to_string(),
+    }
+}
+
+/// How hits spread over the tenants.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum TenantDistribution {
+    /// Every tenant equally often.
+    Uniform,
+    /// Tenant of rank k (1-based) with weight 1/k^s: a few hot tenants.
+    Zipf { s: f64 },
+}
+
+/// How load is applied.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum LoadMode {
+    /// Closed loop: `in_flight` workers, one call outstanding each.
+    Concurrency { in_flight: usize },
+    /// Open loop: `per_sec` hits offered on a fixed schedule, at most
+    /// `max_in_flight` outstanding.
+    Rate { per_sec: f64, max_in_flight: usize },
+}
+
+/// Every tenant's limits, from which each hit's two charges are derived.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct BucketLimits {
+    /// Sustained hooks per second per tenant (the `hooks` increment is 1/rate).
+    pub hooks_per_sec: f64,
+    /// Sustained payload bytes per second per tenant.
+    pub bytes_per_sec: f64,
+    /// Burst allowance of both buckets: their capacity, in ms.
+    pub burst_ms: u64,
+}
+
+impl BucketLimits {
+    /// Limits far above what one tenant gets in a bench: nearly every hit passes,
+    /// so the run measures the claim path.
+    pub fn generous() -> Self {
+        Self {
+            hooks_per_sec: 100_000.0,
+            bytes_per_sec: 1e9,
+            burst_ms: 1000,
+        }
+    }
+
+    /// Limits every tenant blows through at once: nearly every hit is
+    /// `RateLimited`, so the run measures the denial path.
+    pub fn saturating() -> Self {
+        Self {
+            hooks_per_sec: 1.0,
+            bytes_per_sec: 1e3,
+            burst_ms: 1,
+        }
+    }
+
+    /// `(increment_us, capacity_us)` of the hooks and the bytes bucket.
+    fn buckets(&self, payload_bytes: u64) -> [(u64, u64); 2] {
+        let burst_us = self.burst_ms.saturating_mul(1000);
+        let hooks_inc = (1e6 / self.hooks_per_sec).round().max(1.0) as u64;
+        let bytes_inc = (payload_bytes as f64 * 1e6 / self.bytes_per_sec)
+            .round()
+            .max(1.0) as u64;
+        // A charge that exceeds its capacity could never pass (and is invalid),
+        // so a bucket always holds at least one hit.
+        [
+            (hooks_inc, burst_us.max(hooks_inc)),
+            (bytes_inc, burst_us.max(bytes_inc)),
+        ]
+    }
+}
+
+impl Default for BucketLimits {
+    fn default() -> Self {
+        Self::generous()
+    }
+}
+
+mod millis {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        u64::deserialize(d).map(Duration::from_millis)
+    }
+}
+
+/// What to run. `Default` is 1000 zipf(1.1) tenants, 256 in flight for 10 s,
+/// a claim on every hit, 1 % duplicates and 1 % releases, 2 KiB payloads.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkloadConfig {
+    pub tenants: usize,
+    pub distribution: TenantDistribution,
+    pub mode: LoadMode,
+    /// How long to offer load (in-flight calls are then let finish).
+    #[serde(rename = "duration_ms", with = "millis")]
+    pub duration: Duration,
+    /// Stop after this many hits even if time is left.
+    pub max_hits: u64,
+    /// The per-call budget passed to the store.
+    #[serde(rename = "timeout_ms", with = "millis")]
+    pub timeout: Duration,
+    /// Share of hits that carry a claim, 0..=1.
+    pub claim_share: f64,
+    /// Share of claims that re-use a recently committed key, 0..=1.
+    pub duplicate_rate: f64,
+    /// Share of settles that release instead of committing, 0..=1.
+    pub release_share: f64,
+    /// Payload size charged to the `bytes` bucket.
+    pub payload_bytes: u64,
+    pub limits: BucketLimits,
+    /// How long a committed claim is kept.
+    pub ttl_ms: u64,
+    /// How long an unsettled claim stays pending.
+    pub pending_ttl_ms: u64,
+    pub source_id: String,
+    /// The node name the claims are made on.
+    pub node: String,
+    /// Tenant names are `<prefix>-<run id>-<n>`.
+    pub tenant_prefix: String,
+    /// Seed of the random choices (which tenant, claim or not, ...).
+    pub seed: u64,
+    /// Show a progress bar on stderr when it is a terminal and the run is long.
+    pub progress: bool,
+}
+
+impl Default for WorkloadConfig {
+    fn default() -> Self {
+        Self {
+            tenants: 1000,
+            distribution: TenantDistribution::Zipf { s: 1.1 },
+            mode: LoadMode::Concurrency { in_flight: 256 },
+            duration: Duration::from_secs(10),
+            max_hits: 100_000_000,
+            timeout: Duration::from_millis(250),
+            claim_share: 1.0,
+            duplicate_rate: 0.01,
+            release_share: 0.01,
+            payload_bytes: 2048,
+            limits: BucketLimits::generous(),
+            // Short, so a long bench does not fill the store with committed keys.
+            ttl_ms: 30_000,
+            pending_ttl_ms: 5_000,
+            source_id: "bench".into(),
+            node: "bench-edge".into(),
+            tenant_prefix: "bench".into(),
+            seed: 1,
+            progress: true,
+        }
+    }
+}
+
+fn share(field: &'static str, value: f64) -> Result<(), WorkloadError> {
+    if (0.0..=1.0).contains(&value) {
+        Ok(())
+    } else {
+        Err(invalid(field, "a share in 0..=1", value))
+    }
+}
+
+impl WorkloadConfig {
+    pub fn validate(&self) -> Result<(), WorkloadError> {
+        if self.tenants == 0 || self.tenants > u32::MAX as usize {
+            return Err(invalid("tenants", "in 1..=2^32-1", self.tenants));
+        }
+        if let TenantDistribution::Zipf { s } = self.distribution {
+            if !(s.is_finite() && s >= 0.0) {
+                return Err(invalid("distribution.s", "a finite exponent >= 0", s));
+            }
+        }
+        match self.mode {
+            LoadMode::Concurrency { in_flight } => {
+                if in_flight == 0 || in_flight > MAX_IN_FLIGHT {
+                    return Err(invalid("mode.in_flight", "in 1..=65536", in_flight));
+                }
+            }
+            LoadMode::Rate {
+                per_sec,
+                max_in_flight,
+            } => {
+                if !(per_sec.is_finite() && per_sec > 0.0 && per_sec <= 1e8) {
+                    return Err(invalid("mode.per_sec", "in (0, 1e8]", per_sec));
+                }
+                if max_in_flight == 0 || max_in_flight > MAX_IN_FLIGHT {
+                    return Err(invalid("mode.max_in_flight", "in 1..=65536", max_in_flight));
+                }
+            }
+        }
+        if self.duration.is_zero() || self.duration > MAX_DURATION {
+            return Err(invalid(
+                "duration",
+                "in (0, 1 h]",
+                format!("{:?}", self.duration),
+            ));
+        }
+        if self.max_hits == 0 {
+            return Err(invalid("max_hits", "at least 1", 0));
+        }
+        if self.timeout.is_zero() || self.timeout > Duration::from_secs(60) {
+            return Err(invalid(
+                "timeout",
+                "in (0, 60 s]",
+                format!("{:?}", self.timeout),
+            ));
+        }
+        share("claim_share", self.claim_share)?;
+        share("duplicate_rate", self.duplicate_rate)?;
+        share("release_share", self.release_share)?;
+        let l = self.limits;
+        for (field, rate) in [
+            ("limits.hooks_per_sec", l.hooks_per_sec),
+            ("limits.bytes_per_sec", l.bytes_per_sec),
+        ] {
+            if !(rate.is_finite() && rate > 0.0) {
+                return Err(invalid(field, "a rate > 0", rate));
+            }
+        }
+        // Build one hit and one settle and let the contract's own rules judge
+        // the rest (name lengths, capacities, TTLs).
+        let probe = Plan::new(self, 0);
+        let req = probe.hit_request(0, Some(("k".into(), "h".into())));
+        req.validate()
+            .map_err(|e| invalid("limits/claim", "a valid request", e))?;
+        Ok(())
+    }
+
+    /// A short human description of the mode, for tables.
+    pub fn mode_label(&self) -> String {
+        match self.mode {
+            LoadMode::Concurrency { in_flight } => format!("{in_flight} in flight"),
+            LoadMode::Rate { per_sec, .. } => format!("{per_sec:.0}/s offered"),
+        }
+    }
+}
+
+/// Latency percentiles of one kind of call, µs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct LatencySummary {
+    pub count: u64,
+    pub min_us: u64,
+    pub mean_us: f64,
+    pub p50_us: u64,
+    pub p90_us: u64,
+    pub p99_us: u64,
+    pub p999_us: u64,
+    pub max_us: u64,
+}
+
+impl LatencySummary {
+    fn of(h: &Histogram<u64>) -> Self {
+        if h.is_empty() {
+            return Self::default();
+        }
+        Self {
+            count: h.len(),
+            min_us: h.min(),
+            mean_us: h.mean(),
+            p50_us: h.value_at_quantile(0.50),
+            p90_us: h.value_at_quantile(0.90),
+            p99_us: h.value_at_quantile(0.99),
+            p999_us: h.value_at_quantile(0.999),
+            max_us: h.max(),
+        }
+    }
+}
+
+/// Hits by outcome; errors by kind (see [`error_kind`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HitCounts {
+    pub ok: u64,
+    pub duplicate: u64,
+    pub pending: u64,
+    pub rate_limited: u64,
+    pub errors: BTreeMap<String, u64>,
+}
+
+/// Settles by outcome; errors by kind.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SettleCounts {
+    pub ok: u64,
+    pub not_found: u64,
+    pub not_owner: u64,
+    pub already_committed: u64,
+    pub errors: BTreeMap<String, u64>,
+}
+
+fn error_total(errors: &BTreeMap<String, u64>) -> u64 {
+    errors.values().sum()
+}
+
+impl HitCounts {
+    pub fn errors_total(&self) -> u64 {
+        error_total(&self.errors)
+    }
+}
+
+impl SettleCounts {
+    pub fn errors_total(&self) -> u64 {
+        error_total(&self.errors)
+    }
+}
+
+/// A stable snake_case name for each way a call can fail, for counting.
+pub fn error_kind(err: &StoreError) -> String {
+    match err {
+        StoreError::Timeout(_) => "timeout".into(),
+        StoreError::NoResponders => "no_responders".into(),
+        StoreError::Disconnected => "disconnected".into(),
+        StoreError::Invalid(_) => "invalid".into(),
+        StoreError::Refused(reply) => format!("refused_{}", reply.code),
+        StoreError::BadReply(_) => "bad_reply".into(),
+        StoreError::Transport(_) => "transport".into(),
+    }
+}
+
+/// The name counted when a store did not answer within its budget plus
+/// [`OVERRUN_GRACE`]: a breach of the contract, not a timeout it reported.
+pub const BUDGET_OVERRUN: &str = "budget_overrun";
+
+/// What a run measured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkloadReport {
+    /// What was measured (e.g. `fleet`, `echo`, `redis-lua`); set by the caller.
+    pub label: String,
+    pub config: WorkloadConfig,
+    /// From the start to the last answer.
+    pub elapsed_s: f64,
+    pub hits: u64,
+    pub settles: u64,
+    pub hits_per_sec: f64,
+    pub settles_per_sec: f64,
+    pub hit_latency: LatencySummary,
+    pub settle_latency: LatencySummary,
+    pub hit_outcomes: HitCounts,
+    pub settle_outcomes: SettleCounts,
+    /// Open loop: hits sent more than 1 ms after they were due (the driver or
+    /// `max_in_flight` could not keep up; their latency still counts from due).
+    pub late_sends: u64,
+    /// Calls still outstanding when the run's hard end came; not counted above.
+    pub abandoned: bool,
+}
+
+/// `self / other` for each figure (`None` where `other`'s is 0). For
+/// throughput, above 1 means `self` is faster; for latency, below 1 does.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ReportRatio {
+    pub hits_per_sec: Option<f64>,
+    pub settles_per_sec: Option<f64>,
+    pub hit_p50: Option<f64>,
+    pub hit_p99: Option<f64>,
+    pub hit_p999: Option<f64>,
+    pub settle_p50: Option<f64>,
+    pub settle_p99: Option<f64>,
+}
+
+fn ratio(a: f64, b: f64) -> Option<f64> {
+    (b > 0.0).then(|| a / b)
+}
+
+impl WorkloadReport {
+    /// The same report under another name.
+    pub fn labelled(mut self, label: impl Into<String>) -> Self {
+        self.label = label.into();
+        self
+    }
+
+    /// How this run compares with `other`, figure by figure.
+    pub fn ratio_to(&self, other: &WorkloadReport) -> ReportRatio {
+        let (a, b) = (&self.hit_latency, &other.hit_latency);
+        let (sa, sb) = (&self.settle_latency, &other.settle_latency);
+        ReportRatio {
+            hits_per_sec: ratio(self.hits_per_sec, other.hits_per_sec),
+            settles_per_sec: ratio(self.settles_per_sec, other.settles_per_sec),
+            hit_p50: ratio(a.p50_us as f64, b.p50_us as f64),
+            hit_p99: ratio(a.p99_us as f64, b.p99_us as f64),
+            hit_p999: ratio(a.p999_us as f64, b.p999_us as f64),
+            settle_p50: ratio(sa.p50_us as f64, sb.p50_us as f64),
+            settle_p99: ratio(sa.p99_us as f64, sb.p99_us as f64),
+        }
+    }
+
+    pub fn to_json(&self) -> String {
+        // Plain data with string map keys: serializing cannot fail.
+        serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+}
+
+fn fmt_counts(errors: &BTreeMap<String, u64>) -> String {
+    if errors.is_empty() {
+        return "none".into();
+    }
+    errors
+        .iter()
+        .map(|(k, v)| format!("{k} {v}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn latency_row(f: &mut fmt::Formatter<'_>, name: &str, l: &LatencySummary) -> fmt::Result {
+    writeln!(
+        f,
+        "  {name:<7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        l.count, l.p50_us, l.p90_us, l.p99_us, l.p999_us, l.max_us
+    )
+}
+
+impl fmt::Display for WorkloadReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let label = if self.label.is_empty() {
+            "store"
+        } else {
+            &self.label
+        };
+        writeln!(
+            f,
+            "{label}: {:.2} s, {}, {} tenants; {:.0} hits/s, {:.0} settles/s{}",
+            self.elapsed_s,
+            self.config.mode_label(),
+            self.config.tenants,
+            self.hits_per_sec,
+            self.settles_per_sec,
+            if self.abandoned {
+                " (calls abandoned at the hard end)"
+            } else {
+                ""
+            }
+        )?;
+        writeln!(
+            f,
+            "  {:<7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+            "µs", "count", "p50", "p90", "p99", "p99.9", "max"
+        )?;
+        latency_row(f, "hit", &self.hit_latency)?;
+        latency_row(f, "settle", &self.settle_latency)?;
+        let h = &self.hit_outcomes;
+        writeln!(
+            f,
+            "  hits:    ok {}, duplicate {}, pending {}, rate_limited {}; errors: {}",
+            h.ok,
+            h.duplicate,
+            h.pending,
+            h.rate_limited,
+            fmt_counts(&h.errors)
+        )?;
+        let s = &self.settle_outcomes;
+        write!(
+            f,
+            "  settles: ok {}, not_found {}, not_owner {}, already_committed {}; errors: {}",
+            s.ok,
+            s.not_found,
+            s.not_owner,
+            s.already_committed,
+            fmt_counts(&s.errors)
+        )?;
+        if self.late_sends > 0 {
+            write!(f, "\n  late sends (> 1 ms after due): {}", self.late_sends)?;
+        }
+        Ok(())
+    }
+}
+
+fn fmt_ratio(r: Option<f64>) -> String {
+    r.map_or_else(|| "-".into(), |r| format!("{r:.2}x"))
+}
+
+impl fmt::Display for ReportRatio {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "hits/s {}, settles/s {}, hit p50 {}, p99 {}, p99.9 {}, settle p50 {}, p99 {}",
+            fmt_ratio(self.hits_per_sec),
+            fmt_ratio(self.settles_per_sec),
+            fmt_ratio(self.hit_p50),
+            fmt_ratio(self.hit_p99),
+            fmt_ratio(self.hit_p999),
+            fmt_ratio(self.settle_p50),
+            fmt_ratio(self.settle_p99),
+        )
+    }
+}
+
+/// Several runs side by side, one row each, with throughput and hit p99 as a
+/// ratio to the first row.
+pub fn comparison_table(reports: &[&WorkloadReport]) -> String {
+    let mut out = format!(
+        "{:<12} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9}\n",
+        "store",
+        "hits/s",
+        "settles/s",
+        "hit p50",
+        "p99",
+        "p99.9",
+        "set p50",
+        "p99",
+        "errors",
+        "x hits/s",
+        "x hit p99"
+    );
+    let base = reports.first();
+    for r in reports {
+        let rel = base.map(|b| r.ratio_to(b));
+        out.push_str(&format!(
+            "{:<12} {:>10.0} {:>10.0} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9}\n",
+            r.label,
+            r.hits_per_sec,
+            r.settles_per_sec,
+            r.hit_latency.p50_us,
+            r.hit_latency.p99_us,
+            r.hit_latency.p999_us,
+            r.settle_latency.p50_us,
+            r.settle_latency.p99_us,
+            r.hit_outcomes.errors_total() + r.settle_outcomes.errors_total(),
+            fmt_ratio(rel.and_then(|x| x.hits_per_sec)),
+            fmt_ratio(rel.and_then(|x| x.hit_p99)),
+        ));
+    }
+    out.push_str("latencies in µs");
+    out
+}
+
+// ---------------------------------------------------------------------------
+// The driver.
+
+enum Sampler {
+    Uniform(usize),
+    Zipf(Zipf<f64>, usize),
+}
+
+impl Sampler {
+    fn tenant(&self, rng: &mut SmallRng) -> u32 {
+        let index = match self {
+            Sampler::Uniform(n) => rng.random_range(0..*n),
+            // Zipf draws a rank in 1..=n.
+            Sampler::Zipf(z, n) => (z.sample(rng) as usize).saturating_sub(1).min(n - 1),
+        };
+        // `validate` keeps `tenants` within u32.
+        u32::try_from(index).unwrap_or(u32::MAX)
+    }
+}
+
+/// A key committed a moment ago, for a redelivery to re-use.
+#[derive(Clone)]
+struct RecentKey {
+    tenant: u32,
+    key: Arc<str>,
+}
+
+/// A ring of recently committed keys, overwritten oldest first.
+#[derive(Default)]
+struct RecentKeys {
+    slots: Vec<RecentKey>,
+    cursor: usize,
+}
+
+/// Everything a run shares between its tasks.
+struct Plan {
+    cfg: WorkloadConfig,
+    run: u32,
+    tenants: Vec<Arc<str>>,
+    sampler: Sampler,
+    /// `(kind, increment_us, capacity_us)` of each charge.
+    charges: [(Kind, u64, u64); 2],
+    recent: Mutex<RecentKeys>,
+    /// Hits started (tickets against `max_hits`).
+    started: AtomicU64,
+    /// Hits answered, for the progress bar.
+    answered: AtomicU64,
+    /// Makes keys and hook ids unique within the run.
+    seq: AtomicU64,
+}
+
+/// One hit's random choices, drawn before it is sent.
+struct OpSpec {
+    tenant: u32,
+    /// The key to claim, and whether it is fresh (not a redelivery).
+    claim: Option<(Arc<str>, bool)>,
+    release: bool,
+}
+
+/// How a hit or settle came out, for counting.
+enum Class<T> {
+    Done(T),
+    Failed(String),
+}
+
+struct OpResult {
+    hit_us: u64,
+    hit: Class<HitOutcome>,
+    settle: Option<(u64, Class<SettleOutcome>)>,
+    done_at: Instant,
+    late: bool,
+}
+
+impl Plan {
+    fn new(cfg: &WorkloadConfig, run: u32) -> Self {
+        let n = cfg.tenants.max(1);
+        let sampler = match cfg.distribution {
+            TenantDistribution::Zipf { s } if n > 1 => match Zipf::new(n as f64, s) {
+                Ok(z) => Sampler::Zipf(z, n),
+                Err(_) => Sampler::Uniform(n),
+            },
+            _ => Sampler::Uniform(n),
+        };
+        let [(hi, hc), (bi, bc)] = cfg.limits.buckets(cfg.payload_bytes);
+        Self {
+            tenants: (0..n)
+                .map(|i| format!("{}-{run:08x}-{i}", cfg.tenant_prefix).into())
+                .collect(),
+            sampler,
+            charges: [(Kind::Hooks, hi, hc), (Kind::Bytes, bi, bc)],
+            recent: Mutex::new(RecentKeys::default()),
+            started: AtomicU64::new(0),
+            answered: AtomicU64::new(0),
+            seq: AtomicU64::new(0),
+            cfg: cfg.clone(),
+            run,
+        }
+    }
+
+    fn next_id(&self) -> u64 {
+        self.seq.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Whether another hit may start (`max_hits` not reached).
+    fn ticket(&self) -> bool {
+        self.started.fetch_add(1, Ordering::Relaxed) < self.cfg.max_hits
+    }
+
+    fn draw(&self, rng: &mut SmallRng) -> OpSpec {
+        let mut tenant = self.sampler.tenant(rng);
+        let mut claim = None;
+        if rng.random_bool(self.cfg.claim_share) {
+            let mut recent = None;
+            if rng.random_bool(self.cfg.duplicate_rate) {
+                // A poisoned lock only means another task panicked mid-push;
+                // the ring itself is still a valid set of keys.
+                let ring = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+                if !ring.slots.is_empty() {
+                    recent = Some(ring.slots[rng.random_range(0..ring.slots.len())].clone());
+                }
+            }
+            claim = Some(match recent {
+                // A redelivery is for the tenant the event belongs to.
+                Some(r) => {
+                    tenant = r.tenant;
+                    (r.key, false)
+                }
+                None => (
+                    format!("e-{:08x}-{}", self.run, self.next_id()).into(),
+                    true,
+                ),
+            });
+        }
+        OpSpec {
+            tenant,
+            claim,
+            release: rng.random_bool(self.cfg.release_share),
+        }
+    }
+
+    fn remember(&self, tenant: u32, key: Arc<str>) {
+        let mut ring = self.recent.lock().unwrap_or_else(|p| p.into_inner());
+        if ring.slots.len() < RECENT_KEYS {
+            ring.slots.push(RecentKey { tenant, key });
+        } else {
+            let at = ring.cursor;
+            ring.slots[at] = RecentKey { tenant, key };
+            ring.cursor = (at + 1) % RECENT_KEYS;
+        }
+    }
+
+    fn claim(&self, tenant: u32, key: String, hook_id: String) -> Claim {
+        Claim {
+            tenant: self.tenant_name(tenant).to_string(),
+            source_id: self.cfg.source_id.clone(),
+            key,
+            hook_id,
+            node: self.cfg.node.clone(),
+            ttl_ms: self.cfg.ttl_ms,
+            pending_ttl_ms: self.cfg.pending_ttl_ms,
+        }
+    }
+
+    fn tenant_name(&self, tenant: u32) -> &str {
+        self.tenants
+            .get(tenant as usize)
+            .map_or("bench", |t| t.as_ref())
+    }
+
+    fn hit_request(&self, tenant: u32, claim: Option<(String, String)>) -> HitRequest {
+        let name = self.tenant_name(tenant);
+        HitRequest {
+            charges: self
+                .charges
+                .iter()
+                .map(|&(kind, increment_us, capacity_us)| Charge {
+                    kind,
+                    tenant: name.to_string(),
+                    increment_us,
+                    capacity_us,
+                })
+                .collect(),
+            claim: claim.map(|(key, hook)| self.claim(tenant, key, hook)),
+        }
+    }
+
+    /// Sends one hit (and its settle), timing the hit from `due`.
+    async fn execute<S: Store>(&self, store: &S, spec: OpSpec, due: Instant) -> OpResult {
+        let budget = self.cfg.timeout;
+        let sent = Instant::now();
+        let late = sent.saturating_duration_since(due) > LATE_SEND;
+        let hook_id = format!("h-{:08x}-{}", self.run, self.next_id());
+        let claim = spec
+            .claim
+            .as_ref()
+            .map(|(key, _)| (key.to_string(), hook_id.clone()));
+        let req = self.hit_request(spec.tenant, claim);
+        let claim = req.claim.clone();
+        let hit = match tokio::time::timeout(budget + OVERRUN_GRACE, store.hit(req, budget)).await {
+            Ok(Ok(outcome)) => Class::Done(outcome),
+            Ok(Err(err)) => Class::Failed(error_kind(&err)),
+            Err(_) => Class::Failed(BUDGET_OVERRUN.into()),
+        };
+        let hit_us = micros(due.elapsed());
+        self.answered.fetch_add(1, Ordering::Relaxed);
+
+        let mut settle = None;
+        if let (Class::Done(HitOutcome::Ok), Some(claim)) = (&hit, claim) {
+            let settlement = if spec.release {
+                Settlement::Release
+            } else {
+                Settlement::Commit
+            };
+            let req = SettleRequest { claim, settlement };
+            let started = Instant::now();
+            let class =
+                match tokio::time::timeout(budget + OVERRUN_GRACE, store.settle(req, budget)).await
+                {
+                    Ok(Ok(outcome)) => Class::Done(outcome),
+                    Ok(Err(err)) => Class::Failed(error_kind(&err)),
+                    Err(_) => Class::Failed(BUDGET_OVERRUN.into()),
+                };
+            if let (Class::Done(SettleOutcome::Ok), Settlement::Commit, Some((key, true))) =
+                (&class, settlement, spec.claim)
+            {
+                self.remember(spec.tenant, key);
+            }
+            settle = Some((micros(started.elapsed()), class));
+        }
+        OpResult {
+            hit_us,
+            hit,
+            settle,
+            done_at: Instant::now(),
+            late,
+        }
+    }
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX).max(1)
+}
+
+fn histogram() -> Histogram<u64> {
+    // Constant bounds (low 1, high >= 2 * low, 3 significant digits) are valid.
+    Histogram::new_with_bounds(1, HIST_MAX_US, 3).expect("constant histogram bounds are valid")
+}
+
+/// What one task (or the collector) has counted.
+struct Stats {
+    hit_hist: Histogram<u64>,
+    settle_hist: Histogram<u64>,
+    hits: HitCounts,
+    settles: SettleCounts,
+    last_done: Option<Instant>,
+    late: u64,
+}
+
+impl Stats {
+    fn new() -> Self {
+        Self {
+            hit_hist: histogram(),
+            settle_hist: histogram(),
+            hits: HitCounts::default(),
+            settles: SettleCounts::default(),
+            last_done: None,
+            late: 0,
+        }
+    }
+
+    fn record(&mut self, op: OpResult) {
+        self.hit_hist.saturating_record(op.hit_us);
+        match op.hit {
+            Class::Done(HitOutcome::Ok) => self.hits.ok += 1,
+            Class::Done(HitOutcome::Duplicate { .. }) => self.hits.duplicate += 1,
+            Class::Done(HitOutcome::Pending { .. }) => self.hits.pending += 1,
+            Class::Done(HitOutcome::RateLimited { .. }) => self.hits.rate_limited += 1,
+            Class::Failed(kind) => *self.hits.errors.entry(kind).or_default() += 1,
+        }
+        if let Some((us, class)) = op.settle {
+            self.settle_hist.saturating_record(us);
+            match class {
+                Class::Done(SettleOutcome::Ok) => self.settles.ok += 1,
+                Class::Done(SettleOutcome::NotFound) => self.settles.not_found += 1,
+                Class::Done(SettleOutcome::NotOwner { .. }) => self.settles.not_owner += 1,
+                Class::Done(SettleOutcome::AlreadyCommitted) => self.settles.already_committed += 1,
+                Class::Failed(kind) => *self.settles.errors.entry(kind).or_default() += 1,
+            }
+        }
+        self.late += u64::from(op.late);
+        self.last_done = Some(self.last_done.map_or(op.done_at, |t| t.max(op.done_at)));
+    }
+
+    fn merge(&mut self, other: Stats) {
+        // Same bounds on both sides; an add that fails would only lose samples.
+        let _ = self.hit_hist.add(&other.hit_hist);
+        let _ = self.settle_hist.add(&other.settle_hist);
+        let (h, o) = (&mut self.hits, other.hits);
+        h.ok += o.ok;
+        h.duplicate += o.duplicate;
+        h.pending += o.pending;
+        h.rate_limited += o.rate_limited;
+        for (k, v) in o.errors {
+            *h.errors.entry(k).or_default() += v;
+        }
+        let (s, o) = (&mut self.settles, other.settles);
+        s.ok += o.ok;
+        s.not_found += o.not_found;
+        s.not_owner += o.not_owner;
+        s.already_committed += o.already_committed;
+        for (k, v) in o.errors {
+            *s.errors.entry(k).or_default() += v;
+        }
+        self.late += other.late;
+        self.last_done = match (self.last_done, other.last_done) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+    }
+}
+
+/// A progress bar on stderr, only on a terminal and for runs of 2 s or more.
+struct Progress {
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Progress {
+    fn start(plan: &Arc<Plan>, start: Instant) -> Self {
+        let cfg = &plan.cfg;
+        if !cfg.progress
+            || cfg.duration < Duration::from_secs(2)
+            || !std::io::stderr().is_terminal()
+        {
+            return Self { task: None };
+        }
+        let total_ms = u64::try_from(cfg.duration.as_millis()).unwrap_or(u64::MAX);
+        let bar = indicatif::ProgressBar::new(total_ms);
+        if let Ok(style) =
+            indicatif::ProgressStyle::with_template("{bar:40} {elapsed}/{duration} {msg}")
+        {
+            bar.set_style(style);
+        }
+        let plan = Arc::clone(plan);
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(250));
+            loop {
+                tick.tick().await;
+                let elapsed = start.elapsed();
+                bar.set_position(u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX));
+                let answered = plan.answered.load(Ordering::Relaxed);
+                let rate = answered as f64 / elapsed.as_secs_f64().max(1e-3);
+                bar.set_message(format!("{answered} hits, {rate:.0}/s"));
+                if bar.position() >= total_ms {
+                    bar.finish_and_clear();
+                    break;
+                }
+            }
+        });
+        Self { task: Some(task) }
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+/// The run's hard end: load stops at `start + duration`; calls then in flight
+/// have two budgets (hit and settle) plus slack to finish.
+fn hard_end(start: Instant, cfg: &WorkloadConfig) -> Instant {
+    start + cfg.duration + 2 * (cfg.timeout + OVERRUN_GRACE) + Duration::from_secs(1)
+}
+
+async fn closed_loop<S: Store>(
+    store: Arc<S>,
+    plan: Arc<Plan>,
+    in_flight: usize,
+    start: Instant,
+) -> Result<(Stats, bool), WorkloadError> {
+    let deadline = start + plan.cfg.duration;
+    let mut workers = Vec::with_capacity(in_flight);
+    for worker in 0..in_flight {
+        let (store, plan) = (Arc::clone(&store), Arc::clone(&plan));
+        workers.push(tokio::spawn(async move {
+            let mut rng = SmallRng::seed_from_u64(plan.cfg.seed ^ (worker as u64).rotate_left(32));
+            let mut stats = Stats::new();
+            while Instant::now() < deadline && plan.ticket() {
+                let spec = plan.draw(&mut rng);
+                let op = plan.execute(&*store, spec, Instant::now()).await;
+                stats.record(op);
+            }
+            stats
+        }));
+    }
+    let end = hard_end(start, &plan.cfg);
+    let mut total = Stats::new();
+    let mut abandoned = false;
+    for mut worker in workers {
+        match tokio::time::timeout_at(end, &mut worker).await {
+            Ok(Ok(stats)) => total.merge(stats),
+            Ok(Err(err)) => return Err(WorkloadError::Task(err.to_string())),
+            Err(_) => {
+                worker.abort();
+                abandoned = true;
+            }
+        }
+    }
+    Ok((total, abandoned))
+}
+
+async fn open_loop<S: Store>(
+    store: Arc<S>,
+    plan: Arc<Plan>,
+    per_sec: f64,
+    max_in_flight: usize,
+    start: Instant,
+) -> Result<(Stats, bool), WorkloadError> {
+    let deadline = start + plan.cfg.duration;
+    let (tx, mut rx) = mpsc::unbounded_channel::<OpResult>();
+    let slots = Arc::new(Semaphore::new(max_in_flight));
+    let scheduler = {
+        let plan = Arc::clone(&plan);
+        tokio::spawn(async move {
+            let mut rng = SmallRng::seed_from_u64(plan.cfg.seed);
+            let mut i: u64 = 0;
+            loop {
+                let due = start + Duration::from_secs_f64(i as f64 / per_sec);
+                if due >= deadline || !plan.ticket() {
+                    break;
+                }
+                // The timer wheel is ms-grained: hits due within the same ms go
+                // out together, each still timed from its own due instant.
+                tokio::time::sleep_until(due).await;
+                let Ok(permit) = Arc::clone(&slots).acquire_owned().await else {
+                    break;
+                };
+                let spec = plan.draw(&mut rng);
+                let (store, plan, tx) = (Arc::clone(&store), Arc::clone(&plan), tx.clone());
+                tokio::spawn(async move {
+                    let op = plan.execute(&*store, spec, due).await;
+                    // The collector is gone only once the run is over.
+                    let _ = tx.send(op);
+                    drop(permit);
+                });
+                i += 1;
+            }
+        })
+    };
+    let end = hard_end(start, &plan.cfg);
+    let mut stats = Stats::new();
+    let mut abandoned = false;
+    loop {
+        match tokio::time::timeout_at(end, rx.recv()).await {
+            Ok(Some(op)) => stats.record(op),
+            // Every sender (the scheduler and each call) is done.
+            Ok(None) => break,
+            Err(_) => {
+                abandoned = true;
+                break;
+            }
+        }
+    }
+    scheduler.abort();
+    Ok((stats, abandoned))
+}
+
+/// Runs the workload `cfg` against `store` and reports what it measured.
+///
+/// Load is offered for `cfg.duration` (or until `cfg.max_hits`); calls in
+/// flight at the end are let finish within their budgets.
+pub async fn run<S: Store>(
+    store: Arc<S>,
+    cfg: &WorkloadConfig,
+) -> Result<WorkloadReport, WorkloadError> {
+    cfg.validate()?;
+    let plan = Arc::new(Plan::new(cfg, rand::random()));
+    let start = Instant::now();
+    let progress = Progress::start(&plan, start);
+    let (stats, abandoned) = match cfg.mode {
+        LoadMode::Concurrency { in_flight } => {
+            closed_loop(store, Arc::clone(&plan), in_flight, start).await?
+        }
+        LoadMode::Rate {
+            per_sec,
+            max_in_flight,
+        } => open_loop(store, Arc::clone(&plan), per_sec, max_in_flight, start).await?,
+    };
+    drop(progress);
+    let elapsed = stats
+        .last_done
+        .map_or(Duration::ZERO, |t| t.saturating_duration_since(start))
+        .as_secs_f64();
+    let hits = stats.hit_hist.len();
+    let settles = stats.settle_hist.len();
+    let per_sec = |n: u64| {
+        if elapsed > 0.0 {
+            n as f64 / elapsed
+        } else {
+            0.0
+        }
+    };
+    Ok(WorkloadReport {
+        label: String::new(),
+        config: cfg.clone(),
+        elapsed_s: elapsed,
+        hits,
+        settles,
+        hits_per_sec: per_sec(hits),
+        settles_per_sec: per_sec(settles),
+        hit_latency: LatencySummary::of(&stats.hit_hist),
+        settle_latency: LatencySummary::of(&stats.settle_hist),
+        hit_outcomes: stats.hits,
+        settle_outcomes: stats.settles,
+        late_sends: stats.late,
+        abandoned,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use ankusa_actors::tenant::TenantState;
+
+    /// The pure domain behind a lock: the contract's exact semantics, no transport.
+    #[derive(Default)]
+    struct LocalStore {
+        tenants: Mutex<std::collections::HashMap<String, TenantState>>,
+    }
+
+    fn now_us() -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64)
+    }
+
+    impl Store for LocalStore {
+        async fn hit(&self, req: HitRequest, _: Duration) -> Result<HitOutcome, StoreError> {
+            req.validate()?;
+            let mut map = self.tenants.lock().unwrap();
+            let state = map.entry(req.tenant().to_string()).or_default();
+            Ok(state.hit(now_us(), &req).outcome)
+        }
+        async fn settle(
+            &self,
+            req: SettleRequest,
+            _: Duration,
+        ) -> Result<SettleOutcome, StoreError> {
+            req.validate()?;
+            let mut map = self.tenants.lock().unwrap();
+            let state = map.entry(req.claim.tenant.clone()).or_default();
+            Ok(state.settle(now_us(), &req).outcome)
+        }
+        async fn reset(&self, tenant: String, _: Duration) -> Result<(), StoreError> {
+            if let Some(state) = self.tenants.lock().unwrap().get_mut(&tenant) {
+                state.reset();
+            }
+            Ok(())
+        }
+    }
+
+    /// A store that never answers: the driver must still end on time.
+    struct Stuck;
+
+    impl Store for Stuck {
+        async fn hit(&self, _: HitRequest, _: Duration) -> Result<HitOutcome, StoreError> {
+            std::future::pending().await
+        }
+        async fn settle(&self, _: SettleRequest, _: Duration) -> Result<SettleOutcome, StoreError> {
+            std::future::pending().await
+        }
+        async fn reset(&self, _: String, _: Duration) -> Result<(), StoreError> {
+            std::future::pending().await
+        }
+    }
+
+    fn quick(mode: LoadMode) -> WorkloadConfig {
+        WorkloadConfig {
+            tenants: 20,
+            mode,
+            duration: Duration::from_millis(300),
+            max_hits: 5_000,
+            duplicate_rate: 0.2,
+            release_share: 0.1,
+            progress: false,
+            ..WorkloadConfig::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn closed_loop_sees_every_outcome_it_should() {
+        let cfg = quick(LoadMode::Concurrency { in_flight: 8 });
+        let report = run(Arc::new(LocalStore::default()), &cfg).await.unwrap();
+        let h = &report.hit_outcomes;
+        assert_eq!(report.hits, h.ok + h.duplicate + h.pending + h.rate_limited);
+        assert!(report.hits > 0 && report.hits <= cfg.max_hits);
+        assert!(
+            h.duplicate > 0,
+            "redeliveries must meet committed keys: {h:?}"
+        );
+        assert_eq!(h.errors_total(), 0);
+        assert!(report.settle_outcomes.ok > 0);
+        assert_eq!(report.settles, h.ok);
+        assert!(report.hits_per_sec > 0.0);
+        assert!(report.hit_latency.p50_us <= report.hit_latency.max_us);
+        let json = report.to_json();
+        let back: WorkloadReport = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.hits, report.hits);
+        assert!(report.to_string().contains("duplicate"));
+    }
+
+    #[tokio::test]
+    async fn open_loop_offers_the_rate_and_saturating_limits_deny() {
+        let mut cfg = quick(LoadMode::Rate {
+            per_sec: 2000.0,
+            max_in_flight: 64,
+        });
+        cfg.limits = BucketLimits::saturating();
+        cfg.tenants = 2;
+        let report = run(Arc::new(LocalStore::default()), &cfg).await.unwrap();
+        // 0.3 s at 2000/s: about 600 hits offered.
+        assert!((500..=601).contains(&report.hits), "{}", report.hits);
+        assert!(report.hit_outcomes.rate_limited > report.hits * 9 / 10);
+        let ratio = report.ratio_to(&report);
+        assert_eq!(ratio.hits_per_sec, Some(1.0));
+        let table = comparison_table(&[&report.clone().labelled("a"), &report]);
+        assert!(table.contains("1.00x"));
+    }
+
+    #[tokio::test]
+    async fn a_store_that_never_answers_is_counted_and_bounded() {
+        let mut cfg = quick(LoadMode::Concurrency { in_flight: 4 });
+        cfg.timeout = Duration::from_millis(20);
+        cfg.duration = Duration::from_millis(100);
+        let t0 = std::time::Instant::now();
+        let report = run(Arc::new(Stuck), &cfg).await.unwrap();
+        assert!(t0.elapsed() < Duration::from_secs(2));
+        assert_eq!(
+            report.hit_outcomes.errors.get(BUDGET_OVERRUN),
+            Some(&report.hits)
+        );
+        assert!(report.hit_latency.min_us >= 20_000);
+    }
+
+    #[test]
+    fn bad_configs_are_refused() {
+        let ok = WorkloadConfig::default();
+        assert_eq!(ok.validate(), Ok(()));
+        let bad = [
+            WorkloadConfig {
+                tenants: 0,
+                ..ok.clone()
+            },
+            WorkloadConfig {
+                claim_share: 1.5,
+                ..ok.clone()
+            },
+            WorkloadConfig {
+                mode: LoadMode::Rate {
+                    per_sec: 0.0,
+                    max_in_flight: 1,
+                },
+                ..ok.clone()
+            },
+            WorkloadConfig {
+                duration: Duration::ZERO,
+                ..ok.clone()
+            },
+            WorkloadConfig {
+                ttl_ms: 0,
+                ..ok.clone()
+            },
+            WorkloadConfig {
+                distribution: TenantDistribution::Zipf { s: f64::NAN },
+                ..ok.clone()
+            },
+        ];
+        for cfg in bad {
+            assert!(cfg.validate().is_err(), "{cfg:?}");
+        }
+    }
+
+    #[test]
+    fn zipf_favours_the_first_tenants() {
+        let plan = Plan::new(
+            &WorkloadConfig {
+                tenants: 100,
+                distribution: TenantDistribution::Zipf { s: 1.2 },
+                ..WorkloadConfig::default()
+            },
+            7,
+        );
+        let mut rng = SmallRng::seed_from_u64(3);
+        let mut counts = [0u32; 100];
+        for _ in 0..10_000 {
+            counts[plan.sampler.tenant(&mut rng) as usize] += 1;
+        }
+        assert!(counts[0] > counts[10] && counts[10] > 0);
+        assert!(counts[0] > 1000);
+    }
+
+    #[test]
+    fn charges_follow_the_limits() {
+        let [(hi, hc), (bi, bc)] = BucketLimits::generous().buckets(2048);
+        assert_eq!((hi, hc), (10, 1_000_000));
+        assert_eq!((bi, bc), (2, 1_000_000));
+        let [(hi, hc), (bi, bc)] = BucketLimits::saturating().buckets(2048);
+        assert_eq!((hi, hc), (1_000_000, 1_000_000));
+        assert_eq!(bi, 2_048_000);
+        assert_eq!(bc, bi);
+    }
+}
