@@ -56,8 +56,7 @@ impl ManualMonotonic {
     }
 
     pub fn advance(&self, by: Duration) {
-        self.offset_ns
-            .fetch_add(duration_ns(by), Ordering::SeqCst);
+        self.offset_ns.fetch_add(duration_ns(by), Ordering::SeqCst);
     }
 }
 
@@ -360,7 +359,11 @@ mod tests {
         let now = clock.now();
         assert_eq!(call(&b, false, now), Some(false));
         assert_eq!(call(&b, false, now), Some(false));
-        assert_eq!(call(&b, true, now), Some(false), "a success resets the count");
+        assert_eq!(
+            call(&b, true, now),
+            Some(false),
+            "a success resets the count"
+        );
         assert_eq!(call(&b, false, now), Some(false));
         assert_eq!(call(&b, false, now), Some(false));
         assert_eq!(b.state(), BreakerState::Closed);
@@ -419,7 +422,11 @@ mod tests {
             call(&b, false, clock.now());
         }
         clock.advance(SEC);
-        assert_eq!(call(&b, true, clock.now()), Some(true), "next outage starts at base");
+        assert_eq!(
+            call(&b, true, clock.now()),
+            Some(true),
+            "next outage starts at base"
+        );
     }
 
     #[test]

@@ -9,16 +9,22 @@
 //! - [`shard`]: the shard function and subjects;
 //! - [`store`]: the contract as the edge sees it.
 
+pub mod breaker;
 pub mod client;
 pub mod connect;
+pub mod edge;
+pub mod local;
 pub mod persist;
 pub mod protocol;
 pub mod responder;
 pub mod shard;
 pub mod store;
 
+pub use breaker::{BreakerConfig, CircuitBreaker};
 pub use client::{FleetConfig, FleetStore};
 pub use connect::{ConnectError, NatsOptions};
+pub use edge::{Answer, Edge, EdgeConfig, EdgeStats, LocalReason, Source};
+pub use local::{LocalConfig, LocalStore};
 pub use protocol::{DecodeError, ErrorCode, ErrorReply, Op, Reply, ReplyBody, Request};
 pub use shard::{shard_of, Subjects};
 pub use store::{Store, StoreError};

@@ -50,8 +50,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use ankusa_actors::claims::ClaimKey;
 use ankusa_actors::types::validate_tenant;
 use ankusa_actors::{
-    Claim, Clock, HitOutcome, HitRequest, InvalidRequest, SettleOutcome, SettleRequest,
-    TenantState,
+    Claim, Clock, HitOutcome, HitRequest, InvalidRequest, SettleOutcome, SettleRequest, TenantState,
 };
 use serde::Serialize;
 
@@ -308,7 +307,8 @@ impl LocalStore {
             shard.tenants.shrink_to_fit();
         }
         self.dropped.fetch_add(dropped as u64, Ordering::Relaxed);
-        self.swept_claims.fetch_add(claims as u64, Ordering::Relaxed);
+        self.swept_claims
+            .fetch_add(claims as u64, Ordering::Relaxed);
         claims
     }
 
