@@ -4,6 +4,7 @@
 //! - [`client`]: the edge client, with hard deadlines and micro-batching;
 //! - [`connect`]: how edges and nodes reach NATS;
 //! - [`protocol`]: requests, replies, versions and error codes on the wire;
+//! - [`kv`]: JetStream KV persistence: claims, buckets, leases, heartbeats;
 //! - [`persist`]: where a shard's changes are kept;
 //! - [`responder`]: the node's side of the protocol for one shard;
 //! - [`shard`]: the shard function and subjects;
@@ -13,6 +14,7 @@ pub mod breaker;
 pub mod client;
 pub mod connect;
 pub mod edge;
+pub mod kv;
 pub mod local;
 pub mod persist;
 pub mod protocol;

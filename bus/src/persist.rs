@@ -4,7 +4,11 @@
 //! answer leaves the node; bucket TATs may trail behind. [`Persistence`] is that
 //! seam: in memory only (tests, a lone node) or JetStream KV.
 
+use std::sync::Arc;
+
 use ankusa_actors::Changes;
+
+use crate::kv::KvWriter;
 
 /// Why changes could not be made durable.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -20,6 +24,8 @@ pub enum PersistError {
 pub enum Persistence {
     /// Nothing outlives the process.
     Memory,
+    /// Claims written to JetStream KV before the answer; buckets written behind.
+    Kv(Arc<KvWriter>),
 }
 
 impl Persistence {
@@ -27,12 +33,13 @@ impl Persistence {
     /// returns once the claim change (if any) is acknowledged.
     pub async fn record(
         &self,
-        _shard: u32,
-        _tenant: &str,
-        _changes: &Changes,
+        shard: u32,
+        tenant: &str,
+        changes: &Changes,
     ) -> Result<(), PersistError> {
         match self {
             Persistence::Memory => Ok(()),
+            Persistence::Kv(writer) => writer.record(shard, tenant, changes).await,
         }
     }
 }

@@ -7,9 +7,15 @@
 //! tenant never holds the subscription. Every payload gets an answer when it has
 //! a reply subject: an error reply for anything malformed, of an unknown version,
 //! for another shard, or past its deadline. Nothing here can panic on input.
+//!
+//! A node answers for a leased shard only inside its [`ServeWindow`]: the lease's
+//! validity by this node's own monotonic clock. A node that was paused past its
+//! lease wakes up to a closed window and stays silent, so the shard's new owner is
+//! the only one answering.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use ankusa_actors::actor::{Job, ShardMsg};
@@ -24,6 +30,44 @@ use crate::persist::Persistence;
 use crate::protocol::{ErrorCode, ErrorReply, Op, Reply, ReplyBody, Request};
 use crate::shard::shard_of;
 
+/// Until when this node may answer for a shard, by its monotonic clock. Shared
+/// between the lease keeper (which extends or closes it) and the responder.
+#[derive(Debug, Clone, Default)]
+pub struct ServeWindow(Arc<AtomicU64>);
+
+fn monotonic_ns(at: Instant) -> u64 {
+    static BASE: OnceLock<Instant> = OnceLock::new();
+    let base = *BASE.get_or_init(Instant::now);
+    at.saturating_duration_since(base).as_nanos() as u64
+}
+
+impl ServeWindow {
+    /// A window that is closed until extended.
+    pub fn closed() -> Self {
+        // 0 would be "open until the base instant", which is already past.
+        Self::default()
+    }
+
+    /// Answers may go out until `until`.
+    pub fn extend_to(&self, until: Instant) {
+        self.0.store(monotonic_ns(until), Ordering::Release);
+    }
+
+    pub fn close(&self) {
+        self.0.store(0, Ordering::Release);
+    }
+
+    pub fn is_open(&self) -> bool {
+        monotonic_ns(Instant::now()) < self.0.load(Ordering::Acquire)
+    }
+
+    /// Time left, zero when closed.
+    pub fn remaining(&self) -> Duration {
+        let now = monotonic_ns(Instant::now());
+        Duration::from_nanos(self.0.load(Ordering::Acquire).saturating_sub(now))
+    }
+}
+
 /// What a responder needs to serve one shard.
 #[derive(Clone)]
 pub struct ShardContext {
@@ -32,6 +76,8 @@ pub struct ShardContext {
     pub subject: String,
     pub actor: ActorRef<ShardMsg>,
     pub persistence: Persistence,
+    /// `None`: always answer (standalone); `Some`: only while the lease is valid.
+    pub window: Option<ServeWindow>,
 }
 
 /// A running responder. Stopping it unsubscribes first, then waits for the
@@ -109,6 +155,10 @@ async fn run(
             _ = stopped.changed() => None,
         };
         let Some(message) = message else { break };
+        if !window_open(&ctx.window) {
+            metrics::counter!("ankusa_requests_dropped_total", "why" => "lease").increment(1);
+            continue;
+        }
         let Some(reply_to) = message.reply.clone() else {
             metrics::counter!("ankusa_requests_refused_total", "code" => "no_reply_subject")
                 .increment(1);
@@ -121,8 +171,15 @@ async fn run(
         };
         let guard = in_flight.enter();
         let client = client.clone();
+        let window = ctx.window.clone();
         tokio::spawn(async move {
             let body = answer.await;
+            if !window_open(&window) {
+                // The lease lapsed while this was in flight: someone else owns the
+                // shard now and answers for it.
+                metrics::counter!("ankusa_requests_dropped_total", "why" => "lease").increment(1);
+                return;
+            }
             count(&body);
             if let Err(err) = client
                 .publish(reply_to, Reply::new(body).encode().into())
@@ -136,6 +193,10 @@ async fn run(
     let _ = subscription.unsubscribe().await;
     in_flight.wait_idle().await;
     let _ = client.flush().await;
+}
+
+fn window_open(window: &Option<ServeWindow>) -> bool {
+    window.as_ref().is_none_or(ServeWindow::is_open)
 }
 
 fn count(body: &ReplyBody) {

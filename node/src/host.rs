@@ -12,7 +12,7 @@ use std::time::Duration;
 use ankusa_actors::actor::{spawn_shard, ShardConfig, ShardMsg, ShardStats};
 use ankusa_actors::TenantSnapshot;
 use ankusa_bus::persist::Persistence;
-use ankusa_bus::responder::{ShardContext, ShardResponder};
+use ankusa_bus::responder::{ServeWindow, ShardContext, ShardResponder};
 use ankusa_bus::Subjects;
 use ractor::rpc::CallResult;
 use ractor::ActorRef;
@@ -77,12 +77,13 @@ impl ShardHost {
         self.served.keys().copied().collect()
     }
 
-    /// Starts serving `shard` with `tenants` as its state. Serving a shard twice is
-    /// a no-op.
+    /// Starts serving `shard` with `tenants` as its state, answering only while
+    /// `window` (if any) is open. Serving a shard twice is a no-op.
     pub async fn serve(
         &mut self,
         shard: u32,
         tenants: Vec<TenantSnapshot>,
+        window: Option<ServeWindow>,
     ) -> Result<(), HostError> {
         if self.served.contains_key(&shard) {
             return Ok(());
@@ -99,6 +100,7 @@ impl ShardHost {
             subject: self.subjects.shard(shard),
             actor: actor.clone(),
             persistence: self.persistence.clone(),
+            window,
         };
         match ShardResponder::start(self.client.clone(), ctx).await {
             Ok(responder) => {

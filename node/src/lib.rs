@@ -2,7 +2,14 @@
 //! ownership, persistence, metrics) and the `ankusa` CLI.
 //!
 //! - [`config`]: file, environment and flags, validated;
-//! - [`host`]: the shards served now, each an actor and a responder.
+//! - [`host`]: the shards served now, each an actor and a responder;
+//! - [`fleet`]: shard ownership through KV leases, balance, handoff;
+//! - [`run`]: the node's life from start to graceful stop;
+//! - [`health`], [`http`]: readiness and the operator endpoints.
 
 pub mod config;
+pub mod fleet;
+pub mod health;
 pub mod host;
+pub mod http;
+pub mod run;

@@ -1,0 +1,683 @@
+//! Persistence in JetStream KV: claims, bucket TATs, shard leases and node
+//! heartbeats of one instance.
+//!
+//! Three buckets, all with per-message TTL (nats-server ≥ 2.11):
+//!
+//! | bucket | key | value | TTL |
+//! |---|---|---|---|
+//! | `ankusa_<instance>_state` | `c.<shard>.<h128(tenant,source_id,key)>` | [`StoredClaim`] | until the claim expires |
+//! | | `b.<shard>.<h128(tenant)>` | [`StoredBuckets`] | until every bucket is full |
+//! | `ankusa_<instance>_leases` | `s.<shard>` | [`LeaseValue`] | the lease TTL |
+//! | `ankusa_<instance>_nodes` | `<node_id>` | [`Heartbeat`] | the lease TTL |
+//!
+//! Tenants and keys never appear in a KV key in clear: any bytes are safe.
+//! Claims go through [`KvWriter`], a group commit: writes are published
+//! back-to-back and their acks awaited together, so a burst of hits costs a
+//! handful of round trips, not one each. A caller is answered only once its own
+//! write is acknowledged. Bucket TATs are written behind, coalesced to at most one
+//! write per tenant per flush interval.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use ankusa_actors::{BucketRecord, Changes, ClaimChange, ClaimRecord, TenantSnapshot};
+use async_nats::header::{self, HeaderMap, HeaderValue};
+use async_nats::jetstream::{self, consumer, context::PublishErrorKind, kv, stream};
+use bytes::Bytes;
+use futures::stream::FuturesUnordered;
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::persist::PersistError;
+
+/// Why a KV operation failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KvError {
+    #[error("opening bucket {bucket}: {reason}")]
+    Open { bucket: String, reason: String },
+    #[error("KV request failed: {0}")]
+    Request(String),
+    #[error("stored value under {key} is unreadable: {reason}")]
+    Corrupt { key: String, reason: String },
+}
+
+/// Why a lease operation did not succeed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LeaseError {
+    #[error("shard {shard} is leased by {holder}")]
+    Taken { shard: u32, holder: String },
+    #[error("the lease on shard {shard} was lost (expired or taken over)")]
+    Lost { shard: u32 },
+    #[error(transparent)]
+    Kv(#[from] KvError),
+}
+
+/// A claim as stored: its tenant and record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredClaim {
+    pub tenant: String,
+    pub claim: ClaimRecord,
+}
+
+/// A tenant's bucket TATs as stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredBuckets {
+    pub tenant: String,
+    pub buckets: Vec<BucketRecord>,
+}
+
+/// Who holds a shard.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseValue {
+    pub node: String,
+    pub since_ms: u64,
+}
+
+/// A node saying it is alive.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    pub node: String,
+    pub started_ms: u64,
+    /// The node's HTTP endpoint, if it has one, for `ankusa status`.
+    pub http: Option<String>,
+}
+
+fn now_unix_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
+}
+
+pub fn now_unix_ms() -> u64 {
+    now_unix_us() / 1000
+}
+
+fn hex128(parts: &[&str]) -> String {
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    for part in parts {
+        // Length-prefixed, so ("ab","c") and ("a","bc") differ.
+        hasher.update(&(part.len() as u64).to_le_bytes());
+        hasher.update(part.as_bytes());
+    }
+    format!("{:032x}", hasher.digest128())
+}
+
+/// The KV key of a claim.
+pub fn claim_key(shard: u32, tenant: &str, source_id: &str, key: &str) -> String {
+    format!("c.{shard}.{}", hex128(&[tenant, source_id, key]))
+}
+
+/// The KV key of a tenant's buckets.
+pub fn buckets_key(shard: u32, tenant: &str) -> String {
+    format!("b.{shard}.{}", hex128(&[tenant]))
+}
+
+fn lease_key(shard: u32) -> String {
+    format!("s.{shard}")
+}
+
+/// Per-message TTLs are whole seconds, at least 1; round up so a record never
+/// disappears before the state it holds expires.
+fn ttl_secs_until(expires_us: u64, now_us: u64) -> u64 {
+    expires_us.saturating_sub(now_us).div_ceil(1_000_000).max(1)
+}
+
+fn encode<T: Serialize>(value: &T) -> Bytes {
+    Bytes::from(rmp_serde::to_vec_named(value).unwrap_or_default())
+}
+
+fn decode<T: for<'de> Deserialize<'de>>(key: &str, payload: &[u8]) -> Result<T, KvError> {
+    rmp_serde::from_slice(payload).map_err(|e| KvError::Corrupt {
+        key: key.to_string(),
+        reason: e.to_string(),
+    })
+}
+
+fn request_err(e: impl std::fmt::Display) -> KvError {
+    KvError::Request(e.to_string())
+}
+
+/// One write to a KV key: a put (with TTL) or a purge.
+#[derive(Debug, Clone)]
+struct Write {
+    subject: String,
+    headers: HeaderMap,
+    payload: Bytes,
+}
+
+impl Write {
+    fn put(bucket: &str, key: &str, payload: Bytes, ttl_secs: u64) -> Self {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::NATS_MESSAGE_TTL, HeaderValue::from(ttl_secs));
+        Self {
+            subject: format!("$KV.{bucket}.{key}"),
+            headers,
+            payload,
+        }
+    }
+
+    /// Drops every revision of the key, leaving a marker that expires by itself.
+    fn purge(bucket: &str, key: &str) -> Self {
+        let mut headers = HeaderMap::new();
+        headers.insert("KV-Operation", HeaderValue::from("PURGE"));
+        headers.insert(header::NATS_ROLLUP, HeaderValue::from("sub"));
+        headers.insert(header::NATS_MESSAGE_TTL, HeaderValue::from(1u64));
+        Self {
+            subject: format!("$KV.{bucket}.{key}"),
+            headers,
+            payload: Bytes::new(),
+        }
+    }
+
+    fn expect_revision(mut self, revision: u64) -> Self {
+        self.headers.insert(
+            header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE,
+            HeaderValue::from(revision),
+        );
+        self
+    }
+}
+
+/// The KV buckets of one instance.
+#[derive(Clone)]
+pub struct FleetKv {
+    js: jetstream::Context,
+    state_bucket: String,
+    leases_bucket: String,
+    nodes_bucket: String,
+    leases: kv::Store,
+    nodes: kv::Store,
+}
+
+impl FleetKv {
+    /// Opens (creating when missing) the instance's buckets.
+    pub async fn open(
+        client: async_nats::Client,
+        instance: &str,
+        replicas: usize,
+    ) -> Result<Self, KvError> {
+        let js = jetstream::new(client);
+        let state_bucket = format!("ankusa_{instance}_state");
+        let leases_bucket = format!("ankusa_{instance}_leases");
+        let nodes_bucket = format!("ankusa_{instance}_nodes");
+        open_bucket(
+            &js,
+            &state_bucket,
+            replicas,
+            "ankusa-fleet claims and bucket TATs",
+        )
+        .await?;
+        let leases =
+            open_bucket(&js, &leases_bucket, replicas, "ankusa-fleet shard leases").await?;
+        let nodes =
+            open_bucket(&js, &nodes_bucket, replicas, "ankusa-fleet node heartbeats").await?;
+        Ok(Self {
+            js,
+            state_bucket,
+            leases_bucket,
+            nodes_bucket,
+            leases,
+            nodes,
+        })
+    }
+
+    async fn publish(&self, write: Write) -> Result<u64, PublishErrorKind> {
+        let ack = self
+            .js
+            .publish_with_headers(write.subject, write.headers, write.payload)
+            .await
+            .map_err(|e| e.kind())?;
+        ack.await.map(|a| a.sequence).map_err(|e| e.kind())
+    }
+
+    /// Takes the lease on `shard` for `node` if nobody holds it. Returns its revision.
+    pub async fn acquire_lease(
+        &self,
+        shard: u32,
+        node: &str,
+        ttl: Duration,
+    ) -> Result<u64, LeaseError> {
+        let key = lease_key(shard);
+        let value = encode(&LeaseValue {
+            node: node.to_string(),
+            since_ms: now_unix_ms(),
+        });
+        let ttl_secs = ttl.as_secs().max(1);
+        let fresh =
+            Write::put(&self.leases_bucket, &key, value.clone(), ttl_secs).expect_revision(0);
+        match self.publish(fresh).await {
+            Ok(revision) => return Ok(revision),
+            Err(PublishErrorKind::WrongLastSequence) => {}
+            Err(kind) => return Err(KvError::Request(kind.to_string()).into()),
+        }
+        // Something is there: a holder, or the marker a release or expiry left.
+        let entry = self.leases.entry(&key).await.map_err(request_err)?;
+        match entry {
+            Some(entry) if entry.operation == kv::Operation::Put => {
+                let holder = decode::<LeaseValue>(&key, &entry.value)
+                    .map(|v| v.node)
+                    .unwrap_or_else(|_| "an unreadable holder".into());
+                Err(LeaseError::Taken { shard, holder })
+            }
+            Some(marker) => {
+                let over = Write::put(&self.leases_bucket, &key, value, ttl_secs)
+                    .expect_revision(marker.revision);
+                self.publish(over).await.map_err(|kind| match kind {
+                    PublishErrorKind::WrongLastSequence => LeaseError::Taken {
+                        shard,
+                        holder: "another node (raced)".into(),
+                    },
+                    kind => KvError::Request(kind.to_string()).into(),
+                })
+            }
+            None => Err(LeaseError::Taken {
+                shard,
+                holder: "another node (raced)".into(),
+            }),
+        }
+    }
+
+    /// Extends our lease (compare-and-set on its revision). Returns the new revision.
+    pub async fn renew_lease(
+        &self,
+        shard: u32,
+        node: &str,
+        revision: u64,
+        ttl: Duration,
+    ) -> Result<u64, LeaseError> {
+        let value = encode(&LeaseValue {
+            node: node.to_string(),
+            since_ms: now_unix_ms(),
+        });
+        let write = Write::put(
+            &self.leases_bucket,
+            &lease_key(shard),
+            value,
+            ttl.as_secs().max(1),
+        )
+        .expect_revision(revision);
+        self.publish(write).await.map_err(|kind| match kind {
+            PublishErrorKind::WrongLastSequence => LeaseError::Lost { shard },
+            kind => KvError::Request(kind.to_string()).into(),
+        })
+    }
+
+    /// Gives a lease up, if it is still ours.
+    pub async fn release_lease(&self, shard: u32, revision: u64) -> Result<(), LeaseError> {
+        let write = Write::purge(&self.leases_bucket, &lease_key(shard)).expect_revision(revision);
+        self.publish(write)
+            .await
+            .map(|_| ())
+            .map_err(|kind| match kind {
+                PublishErrorKind::WrongLastSequence => LeaseError::Lost { shard },
+                kind => KvError::Request(kind.to_string()).into(),
+            })
+    }
+
+    /// Who holds each leased shard.
+    pub async fn lease_holders(&self) -> Result<HashMap<u32, String>, KvError> {
+        let mut holders = HashMap::new();
+        for (key, value) in self.live_entries(&self.leases).await? {
+            let Some(shard) = key.strip_prefix("s.").and_then(|s| s.parse::<u32>().ok()) else {
+                continue;
+            };
+            if let Ok(lease) = decode::<LeaseValue>(&key, &value) {
+                holders.insert(shard, lease.node);
+            }
+        }
+        Ok(holders)
+    }
+
+    /// Says `node` is alive for `ttl`.
+    pub async fn heartbeat(&self, beat: &Heartbeat, ttl: Duration) -> Result<(), KvError> {
+        let write = Write::put(
+            &self.nodes_bucket,
+            &beat.node,
+            encode(beat),
+            ttl.as_secs().max(1),
+        );
+        self.publish(write).await.map(|_| ()).map_err(request_err)
+    }
+
+    /// Says `node` has left.
+    pub async fn leave(&self, node: &str) -> Result<(), KvError> {
+        self.publish(Write::purge(&self.nodes_bucket, node))
+            .await
+            .map(|_| ())
+            .map_err(request_err)
+    }
+
+    /// Changes to the heartbeats (joins, leaves and renewals).
+    pub async fn watch_nodes(&self) -> Result<kv::Watch, KvError> {
+        self.nodes.watch_all().await.map_err(request_err)
+    }
+
+    /// Every node whose heartbeat is live.
+    pub async fn live_nodes(&self) -> Result<Vec<Heartbeat>, KvError> {
+        let mut nodes = Vec::new();
+        for (key, value) in self.live_entries(&self.nodes).await? {
+            if let Ok(beat) = decode::<Heartbeat>(&key, &value) {
+                nodes.push(beat);
+            }
+        }
+        nodes.sort_by(|a, b| a.node.cmp(&b.node));
+        Ok(nodes)
+    }
+
+    async fn live_entries(&self, store: &kv::Store) -> Result<Vec<(String, Bytes)>, KvError> {
+        let mut out = Vec::new();
+        let mut keys = store.keys().await.map_err(request_err)?;
+        let mut names = Vec::new();
+        while let Some(key) = keys.next().await {
+            names.push(key.map_err(request_err)?);
+        }
+        for key in names {
+            if let Some(entry) = store.entry(&key).await.map_err(request_err)? {
+                if entry.operation == kv::Operation::Put {
+                    out.push((key, entry.value));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// A shard's persisted state: every live claim and bucket of its tenants.
+    pub async fn load_shard(&self, shard: u32) -> Result<Vec<TenantSnapshot>, KvError> {
+        let stream = self
+            .js
+            .get_stream(format!("KV_{}", self.state_bucket))
+            .await
+            .map_err(request_err)?;
+        let prefix = format!("$KV.{}.", self.state_bucket);
+        let mut consumer = stream
+            .create_consumer(consumer::pull::OrderedConfig {
+                filter_subjects: vec![
+                    format!("{prefix}c.{shard}.*"),
+                    format!("{prefix}b.{shard}.*"),
+                ],
+                deliver_policy: consumer::DeliverPolicy::LastPerSubject,
+                ..Default::default()
+            })
+            .await
+            .map_err(request_err)?;
+        let pending = consumer.info().await.map_err(request_err)?.num_pending;
+        let mut tenants: HashMap<String, TenantSnapshot> = HashMap::new();
+        if pending == 0 {
+            return Ok(Vec::new());
+        }
+        let now_us = now_unix_us();
+        let mut messages = consumer.messages().await.map_err(request_err)?;
+        while let Some(message) = messages.next().await {
+            let message = message.map_err(request_err)?;
+            let left = message.info().map(|i| i.pending).unwrap_or(0);
+            let is_value = message
+                .headers
+                .as_ref()
+                .map(|h| {
+                    h.get("KV-Operation").is_none() && h.get(header::NATS_MARKER_REASON).is_none()
+                })
+                .unwrap_or(true);
+            if is_value && !message.payload.is_empty() {
+                let key = message
+                    .subject
+                    .strip_prefix(prefix.as_str())
+                    .unwrap_or_default()
+                    .to_string();
+                absorb_stored(&mut tenants, &key, &message.payload, now_us)?;
+            }
+            if left == 0 {
+                break;
+            }
+        }
+        Ok(tenants.into_values().collect())
+    }
+}
+
+fn absorb_stored(
+    tenants: &mut HashMap<String, TenantSnapshot>,
+    key: &str,
+    payload: &[u8],
+    now_us: u64,
+) -> Result<(), KvError> {
+    fn slot<'a>(
+        tenants: &'a mut HashMap<String, TenantSnapshot>,
+        tenant: String,
+    ) -> &'a mut TenantSnapshot {
+        tenants
+            .entry(tenant.clone())
+            .or_insert_with(|| TenantSnapshot {
+                tenant,
+                buckets: Vec::new(),
+                claims: Vec::new(),
+            })
+    }
+    if key.starts_with("c.") {
+        let stored: StoredClaim = decode(key, payload)?;
+        if stored.claim.expires_us > now_us {
+            slot(tenants, stored.tenant).claims.push(stored.claim);
+        }
+    } else if key.starts_with("b.") {
+        let stored: StoredBuckets = decode(key, payload)?;
+        slot(tenants, stored.tenant)
+            .buckets
+            .extend(stored.buckets.into_iter().filter(|b| b.tat_us > now_us));
+    }
+    Ok(())
+}
+
+async fn open_bucket(
+    js: &jetstream::Context,
+    bucket: &str,
+    replicas: usize,
+    description: &str,
+) -> Result<kv::Store, KvError> {
+    if let Ok(store) = js.get_key_value(bucket).await {
+        return Ok(store);
+    }
+    let config = kv::Config {
+        bucket: bucket.to_string(),
+        description: description.to_string(),
+        history: 1,
+        num_replicas: replicas.max(1),
+        storage: stream::StorageType::File,
+        max_value_size: 64 * 1024,
+        // Per-message TTL; the markers an expiry leaves live one second.
+        limit_markers: Some(Duration::from_secs(1)),
+        ..Default::default()
+    };
+    match js.create_key_value(config).await {
+        Ok(store) => Ok(store),
+        // Another node created it between our get and create.
+        Err(create_err) => js.get_key_value(bucket).await.map_err(|_| KvError::Open {
+            bucket: bucket.to_string(),
+            reason: create_err.to_string(),
+        }),
+    }
+}
+
+/// A write and who waits for its ack.
+struct Submitted {
+    write: Write,
+    done: Option<oneshot::Sender<Result<(), PersistError>>>,
+}
+
+/// Writes most acks may wait at once before new writes wait.
+const MAX_IN_FLIGHT: usize = 8192;
+
+/// Group-committing writer of one node's claims and buckets.
+pub struct KvWriter {
+    kv: FleetKv,
+    tx: mpsc::Sender<Submitted>,
+    /// Buckets changed since the last flush, latest TATs per tenant.
+    dirty: Mutex<HashMap<(u32, String), [Option<u64>; 2]>>,
+}
+
+impl KvWriter {
+    /// Starts the writer and its write-behind flusher.
+    pub fn start(kv: FleetKv, write_behind: Duration) -> Arc<Self> {
+        let (tx, rx) = mpsc::channel(MAX_IN_FLIGHT);
+        let writer = Arc::new(Self {
+            kv: kv.clone(),
+            tx,
+            dirty: Mutex::new(HashMap::new()),
+        });
+        tokio::spawn(commit_loop(kv.js.clone(), rx));
+        let flusher = Arc::downgrade(&writer);
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(write_behind);
+            loop {
+                ticks.tick().await;
+                let Some(writer) = flusher.upgrade() else {
+                    break;
+                };
+                writer.flush_buckets(None).await;
+            }
+        });
+        writer
+    }
+
+    pub fn kv(&self) -> &FleetKv {
+        &self.kv
+    }
+
+    async fn submit(&self, write: Write) -> Result<(), PersistError> {
+        let (done, ack) = oneshot::channel();
+        self.tx
+            .send(Submitted {
+                write,
+                done: Some(done),
+            })
+            .await
+            .map_err(|_| PersistError::Stopped)?;
+        ack.await.map_err(|_| PersistError::Stopped)?
+    }
+
+    /// Claims are durable when this returns; buckets are queued for the next flush.
+    pub async fn record(
+        &self,
+        shard: u32,
+        tenant: &str,
+        changes: &Changes,
+    ) -> Result<(), PersistError> {
+        if !changes.buckets.is_empty() {
+            let mut dirty = self.dirty.lock().unwrap_or_else(|p| p.into_inner());
+            let slot = dirty.entry((shard, tenant.to_string())).or_default();
+            for bucket in &changes.buckets {
+                slot[bucket_index(bucket)] = Some(bucket.tat_us);
+            }
+        }
+        let Some(change) = &changes.claim else {
+            return Ok(());
+        };
+        let bucket = &self.kv.state_bucket;
+        let write = match change {
+            ClaimChange::Put(record) => Write::put(
+                bucket,
+                &claim_key(shard, tenant, &record.source_id, &record.key),
+                encode(&StoredClaim {
+                    tenant: tenant.to_string(),
+                    claim: record.clone(),
+                }),
+                ttl_secs_until(record.expires_us, now_unix_us()),
+            ),
+            ClaimChange::Delete { source_id, key } => {
+                Write::purge(bucket, &claim_key(shard, tenant, source_id, key))
+            }
+        };
+        self.submit(write).await
+    }
+
+    /// Writes the dirty buckets (of one shard, or all) now and waits for the acks.
+    pub async fn flush_buckets(&self, shard: Option<u32>) {
+        let batch: Vec<((u32, String), [Option<u64>; 2])> = {
+            let mut dirty = self.dirty.lock().unwrap_or_else(|p| p.into_inner());
+            match shard {
+                None => dirty.drain().collect(),
+                Some(s) => {
+                    let keys: Vec<_> = dirty.keys().filter(|(sh, _)| *sh == s).cloned().collect();
+                    keys.into_iter()
+                        .filter_map(|k| dirty.remove_entry(&k))
+                        .collect()
+                }
+            }
+        };
+        if batch.is_empty() {
+            return;
+        }
+        metrics::histogram!("ankusa_kv_flush_buckets").record(batch.len() as f64);
+        let now_us = now_unix_us();
+        let bucket = &self.kv.state_bucket;
+        let writes = batch.into_iter().map(|((shard, tenant), tats)| {
+            let key = buckets_key(shard, &tenant);
+            let buckets: Vec<BucketRecord> = ankusa_actors::Kind::ALL
+                .iter()
+                .zip(tats)
+                .filter_map(|(&kind, tat)| {
+                    tat.filter(|&t| t > now_us)
+                        .map(|tat_us| BucketRecord { kind, tat_us })
+                })
+                .collect();
+            let write = match buckets.iter().map(|b| b.tat_us).max() {
+                None => Write::purge(bucket, &key),
+                Some(last) => Write::put(
+                    bucket,
+                    &key,
+                    encode(&StoredBuckets { tenant, buckets }),
+                    ttl_secs_until(last, now_us),
+                ),
+            };
+            self.submit(write)
+        });
+        let results = futures::future::join_all(writes).await;
+        let failed = results.iter().filter(|r| r.is_err()).count();
+        if failed > 0 {
+            metrics::counter!("ankusa_kv_write_failures_total").increment(failed as u64);
+            tracing::warn!(
+                failed,
+                "bucket write-behind failed; TATs may be stale on failover"
+            );
+        }
+    }
+}
+
+fn bucket_index(bucket: &BucketRecord) -> usize {
+    match bucket.kind {
+        ankusa_actors::Kind::Hooks => 0,
+        ankusa_actors::Kind::Bytes => 1,
+    }
+}
+
+/// Publishes writes as they come and completes each once its ack is in; many
+/// acks are awaited at once.
+async fn commit_loop(js: jetstream::Context, mut rx: mpsc::Receiver<Submitted>) {
+    let mut acks = FuturesUnordered::new();
+    let mut open = true;
+    while open || !acks.is_empty() {
+        tokio::select! {
+            submitted = rx.recv(), if open && acks.len() < MAX_IN_FLIGHT => {
+                let Some(Submitted { write, done }) = submitted else {
+                    open = false;
+                    continue;
+                };
+                let published = js.publish_with_headers(write.subject, write.headers, write.payload).await;
+                acks.push(async move {
+                    let result = match published {
+                        Ok(ack) => ack.await.map(|_| ()).map_err(|e| PersistError::Write(e.to_string())),
+                        Err(e) => Err(PersistError::Write(e.to_string())),
+                    };
+                    if result.is_err() {
+                        metrics::counter!("ankusa_kv_write_failures_total").increment(1);
+                    }
+                    if let Some(done) = done {
+                        let _ = done.send(result);
+                    }
+                });
+                metrics::gauge!("ankusa_kv_writes_in_flight").set(acks.len() as f64);
+            }
+            Some(()) = acks.next(), if !acks.is_empty() => {}
+        }
+    }
+}

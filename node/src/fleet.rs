@@ -1,0 +1,436 @@
+//! Fleet mode: which shards this node serves, agreed with the other nodes of the
+//! instance through JetStream KV, and kept durable there.
+//!
+//! Every `lease_renew_ms` a node heartbeats, reads the live nodes, and computes
+//! each shard's target owner by rendezvous (highest random weight) hashing, so a
+//! node joining takes about S/N shards and one leaving spreads its shards over
+//! the rest; nothing else moves. It renews the leases it holds, hands back the
+//! shards now targeted elsewhere (stop answering, finish in-flight answers, flush,
+//! release), and takes the shards targeted to it once free: lease first, then the
+//! shard's claims and buckets from KV, and only then answers.
+//!
+//! A lease is valid for this node until `renewal sent + TTL − margin` by its own
+//! monotonic clock. The server keeps the lease at least TTL after it received
+//! the renewal, so this node stops answering before anyone else can start.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ankusa_bus::kv::{FleetKv, Heartbeat, KvWriter, LeaseError};
+use ankusa_bus::persist::Persistence;
+use ankusa_bus::responder::ServeWindow;
+use async_nats::jetstream::kv::Operation;
+use futures::StreamExt;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::config::NodeConfig;
+use crate::health::Health;
+use crate::host::ShardHost;
+use crate::run::{export_stats, shard_config};
+
+/// Why fleet mode stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum FleetError {
+    #[error(transparent)]
+    Host(#[from] crate::host::HostError),
+}
+
+/// The rendezvous weight of `node` for `shard`.
+fn weight(node: &str, shard: u32) -> u64 {
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    hasher.update(node.as_bytes());
+    hasher.update(&shard.to_le_bytes());
+    hasher.digest()
+}
+
+/// The node that should own `shard` among `nodes` (highest weight, ties by name).
+pub fn target_owner<'a>(nodes: &'a BTreeSet<String>, shard: u32) -> Option<&'a str> {
+    nodes
+        .iter()
+        .max_by(|a, b| {
+            weight(a, shard)
+                .cmp(&weight(b, shard))
+                .then_with(|| b.cmp(a))
+        })
+        .map(String::as_str)
+}
+
+/// A lease this node holds.
+struct Held {
+    revision: u64,
+    window: ServeWindow,
+}
+
+struct Fleet {
+    config: NodeConfig,
+    kv: FleetKv,
+    writer: Arc<KvWriter>,
+    host: ShardHost,
+    held: BTreeMap<u32, Held>,
+    live: BTreeSet<String>,
+    health: Arc<Health>,
+    started_ms: u64,
+}
+
+/// Pause between attempts to take a shard that is still held elsewhere.
+const ACQUIRE_RETRY: Duration = Duration::from_millis(100);
+
+impl Fleet {
+    fn me(&self) -> &str {
+        &self.config.node_id
+    }
+
+    fn targets(&self) -> Vec<u32> {
+        (0..self.config.shards)
+            .filter(|&s| target_owner(&self.live, s) == Some(self.me()))
+            .collect()
+    }
+
+    /// Valid-until for a lease renewed by a request sent at `sent`.
+    fn valid_until(&self, sent: Instant) -> std::time::Instant {
+        let keep = self
+            .config
+            .lease_ttl()
+            .saturating_sub(Duration::from_millis(self.config.lease_margin_ms));
+        (sent + keep).into_std()
+    }
+
+    async fn heartbeat(&mut self) {
+        let beat = Heartbeat {
+            node: self.config.node_id.clone(),
+            started_ms: self.started_ms,
+            http: self.config.http_addr.map(|a| a.to_string()),
+        };
+        if let Err(err) = self.kv.heartbeat(&beat, self.config.lease_ttl()).await {
+            tracing::warn!(error = %err, "heartbeat failed");
+        }
+        match self.kv.live_nodes().await {
+            Ok(nodes) => {
+                let mut live: BTreeSet<String> = nodes.into_iter().map(|b| b.node).collect();
+                live.insert(self.config.node_id.clone());
+                if live != self.live {
+                    tracing::info!(nodes = ?live, "live nodes changed");
+                }
+                self.live = live;
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot list live nodes; keeping the last view")
+            }
+        }
+    }
+
+    async fn renew(&mut self) {
+        let ttl = self.config.lease_ttl();
+        let mut lost = Vec::new();
+        for (&shard, held) in self.held.iter_mut() {
+            let sent = Instant::now();
+            match self
+                .kv
+                .renew_lease(shard, &self.config.node_id, held.revision, ttl)
+                .await
+            {
+                Ok(revision) => {
+                    held.revision = revision;
+                    let keep =
+                        ttl.saturating_sub(Duration::from_millis(self.config.lease_margin_ms));
+                    held.window.extend_to((sent + keep).into_std());
+                }
+                Err(LeaseError::Lost { .. }) | Err(LeaseError::Taken { .. }) => {
+                    held.window.close();
+                    lost.push(shard);
+                }
+                Err(LeaseError::Kv(err)) => {
+                    metrics::counter!("ankusa_lease_renew_failures_total").increment(1);
+                    tracing::warn!(shard, error = %err, "lease renewal failed; serving until the lease lapses");
+                    if !held.window.is_open() {
+                        lost.push(shard);
+                    }
+                }
+            }
+        }
+        for shard in lost {
+            metrics::counter!("ankusa_leases_lost_total").increment(1);
+            tracing::warn!(shard, "lease lost; no longer serving the shard");
+            self.held.remove(&shard);
+            let _ = self.host.release(shard).await;
+        }
+    }
+
+    /// Hands a shard back: stop taking requests, finish those in flight, flush its
+    /// buckets, then release the lease so the next owner can start.
+    async fn hand_back(&mut self, shard: u32) {
+        let Some(held) = self.held.remove(&shard) else {
+            return;
+        };
+        let started = Instant::now();
+        let _ = self.host.release(shard).await;
+        self.writer.flush_buckets(Some(shard)).await;
+        held.window.close();
+        if let Err(err) = self.kv.release_lease(shard, held.revision).await {
+            tracing::warn!(shard, error = %err, "lease release failed; it will lapse by TTL");
+        }
+        tracing::info!(
+            shard,
+            took_ms = started.elapsed().as_millis() as u64,
+            "shard handed back"
+        );
+    }
+
+    /// Takes every shard targeted here that is free. Returns whether some target
+    /// shard is still held elsewhere.
+    async fn acquire(&mut self) -> bool {
+        let mut waiting = false;
+        for shard in self.targets() {
+            if self.held.contains_key(&shard) {
+                continue;
+            }
+            let sent = Instant::now();
+            let revision = match self
+                .kv
+                .acquire_lease(shard, &self.config.node_id, self.config.lease_ttl())
+                .await
+            {
+                Ok(revision) => revision,
+                Err(LeaseError::Taken { .. }) => {
+                    waiting = true;
+                    continue;
+                }
+                Err(err) => {
+                    tracing::warn!(shard, error = %err, "cannot take lease");
+                    waiting = true;
+                    continue;
+                }
+            };
+            let loaded_at = Instant::now();
+            let state = match self.kv.load_shard(shard).await {
+                Ok(state) => state,
+                Err(err) => {
+                    tracing::error!(shard, error = %err, "cannot load shard; giving the lease back");
+                    let _ = self.kv.release_lease(shard, revision).await;
+                    waiting = true;
+                    continue;
+                }
+            };
+            let tenants = state.len();
+            let claims: usize = state.iter().map(|t| t.claims.len()).sum();
+            let window = ServeWindow::closed();
+            window.extend_to(self.valid_until(sent));
+            if let Err(err) = self.host.serve(shard, state, Some(window.clone())).await {
+                tracing::error!(shard, error = %err, "cannot serve shard; giving the lease back");
+                let _ = self.kv.release_lease(shard, revision).await;
+                waiting = true;
+                continue;
+            }
+            self.held.insert(shard, Held { revision, window });
+            metrics::histogram!("ankusa_shard_load_seconds")
+                .record(loaded_at.elapsed().as_secs_f64());
+            tracing::info!(
+                shard,
+                tenants,
+                claims,
+                load_ms = loaded_at.elapsed().as_millis() as u64,
+                "serving shard"
+            );
+        }
+        waiting
+    }
+
+    /// One full round: heartbeat, renew, hand back, take.
+    async fn round(&mut self) -> bool {
+        self.heartbeat().await;
+        self.renew().await;
+        let targets: BTreeSet<u32> = self.targets().into_iter().collect();
+        let moving: Vec<u32> = self
+            .held
+            .keys()
+            .filter(|s| !targets.contains(s))
+            .copied()
+            .collect();
+        for shard in moving {
+            self.hand_back(shard).await;
+        }
+        let waiting = self.acquire().await;
+        self.health.set_shards(self.held.len(), targets.len());
+        waiting
+    }
+
+    async fn leave(&mut self) {
+        self.health.set_shutting_down();
+        if let Err(err) = self.kv.leave(&self.config.node_id).await {
+            tracing::warn!(error = %err, "could not withdraw heartbeat");
+        }
+        let shards: Vec<u32> = self.held.keys().copied().collect();
+        for shard in shards {
+            self.hand_back(shard).await;
+        }
+        self.writer.flush_buckets(None).await;
+    }
+}
+
+/// Opens the instance's KV buckets, retrying until NATS answers or shutdown.
+async fn open_kv(
+    config: &NodeConfig,
+    client: &async_nats::Client,
+    shutdown: &mut (impl Future<Output = ()> + Unpin),
+) -> Option<FleetKv> {
+    let mut pause = Duration::from_millis(100);
+    loop {
+        match FleetKv::open(client.clone(), &config.instance, config.kv_replicas).await {
+            Ok(kv) => return Some(kv),
+            Err(err) => tracing::warn!(error = %err, "JetStream KV not reachable yet; retrying"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = &mut *shutdown => return None,
+        }
+        pause = (pause * 2).min(Duration::from_secs(2));
+    }
+}
+
+/// Wakes the ownership loop whenever the set of live nodes changes (a join, a
+/// graceful leave, or a heartbeat lapsing), so it is acted on at once rather
+/// than at the next round. Renewals of known heartbeats wake nobody.
+fn watch_membership(kv: FleetKv, wake: Arc<Notify>) {
+    tokio::spawn(async move {
+        let mut known = BTreeSet::new();
+        loop {
+            match kv.watch_nodes().await {
+                Ok(mut changes) => {
+                    while let Some(Ok(entry)) = changes.next().await {
+                        let changed = match entry.operation {
+                            Operation::Put => known.insert(entry.key),
+                            Operation::Delete | Operation::Purge => known.remove(&entry.key),
+                        };
+                        if changed {
+                            wake.notify_one();
+                        }
+                    }
+                }
+                Err(err) => tracing::debug!(error = %err, "membership watch failed; retrying"),
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    });
+}
+
+pub async fn run(
+    config: NodeConfig,
+    client: async_nats::Client,
+    health: Arc<Health>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), FleetError> {
+    tokio::pin!(shutdown);
+    let Some(kv) = open_kv(&config, &client, &mut shutdown).await else {
+        return Ok(());
+    };
+    let writer = KvWriter::start(kv.clone(), Duration::from_millis(config.write_behind_ms));
+    let host = ShardHost::new(
+        client,
+        config.subjects(),
+        config.shards,
+        shard_config(&config),
+        Persistence::Kv(writer.clone()),
+    );
+    let wake = Arc::new(Notify::new());
+    watch_membership(kv.clone(), wake.clone());
+    let renew_every = Duration::from_millis(config.lease_renew_ms);
+    let mut fleet = Fleet {
+        started_ms: ankusa_bus::kv::now_unix_ms(),
+        config,
+        kv,
+        writer,
+        host,
+        held: BTreeMap::new(),
+        live: BTreeSet::new(),
+        health,
+    };
+    let mut next_round = Instant::now();
+    let mut next_tick = Instant::now();
+    let mut waiting = false;
+    loop {
+        let now = Instant::now();
+        if now >= next_round {
+            waiting = fleet.round().await;
+            next_round = Instant::now() + renew_every;
+        } else if waiting {
+            waiting = fleet.acquire().await;
+            fleet
+                .health
+                .set_shards(fleet.held.len(), fleet.targets().len());
+        }
+        if now >= next_tick {
+            fleet.host.tick();
+            export_stats(&fleet.host).await;
+            next_tick = now + Duration::from_secs(1);
+        }
+        let wake_at = if waiting {
+            (Instant::now() + ACQUIRE_RETRY).min(next_round)
+        } else {
+            next_round
+        };
+        tokio::select! {
+            _ = tokio::time::sleep_until(wake_at.min(next_tick)) => {}
+            _ = wake.notified() => next_round = Instant::now(),
+            _ = &mut shutdown => break,
+        }
+    }
+    fleet.leave().await;
+    tracing::info!("node left the fleet");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nodes(n: usize) -> BTreeSet<String> {
+        (0..n).map(|i| format!("node-{i}")).collect()
+    }
+
+    #[test]
+    fn adding_a_node_moves_about_s_over_n_shards_and_only_to_it() {
+        let shards = 256;
+        let before = nodes(3);
+        let mut after = before.clone();
+        after.insert("node-new".into());
+        let mut moved = 0;
+        for s in 0..shards {
+            let (a, b) = (
+                target_owner(&before, s).unwrap(),
+                target_owner(&after, s).unwrap(),
+            );
+            if a != b {
+                assert_eq!(b, "node-new", "shard {s} moved between old nodes");
+                moved += 1;
+            }
+        }
+        // Expect S/N = 64; allow the spread of a hash.
+        assert!((40..=90).contains(&moved), "{moved} shards moved");
+    }
+
+    #[test]
+    fn removing_a_node_moves_only_its_shards() {
+        let before = nodes(4);
+        let mut after = before.clone();
+        after.remove("node-2");
+        for s in 0..256 {
+            let a = target_owner(&before, s).unwrap();
+            let b = target_owner(&after, s).unwrap();
+            if a != "node-2" {
+                assert_eq!(a, b);
+            }
+        }
+    }
+
+    #[test]
+    fn every_shard_has_an_owner() {
+        for n in 1..6 {
+            let live = nodes(n);
+            assert!((0..64).all(|s| target_owner(&live, s).is_some()));
+        }
+        assert!(target_owner(&BTreeSet::new(), 0).is_none());
+    }
+}

@@ -1,0 +1,143 @@
+//! The node's life: start the HTTP endpoints, reach NATS (in the background),
+//! serve shards — all of them (standalone) or those its leases give it (fleet) —
+//! and on shutdown hand every shard back before leaving.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ankusa_actors::actor::ShardConfig;
+use ankusa_actors::SystemClock;
+use ankusa_bus::persist::Persistence;
+
+use crate::config::{Mode, NodeConfig};
+use crate::health::Health;
+use crate::host::{HostError, ShardHost};
+
+/// Why a node stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error(transparent)]
+    Connect(#[from] ankusa_bus::ConnectError),
+    #[error("HTTP endpoint on {addr}: {source}")]
+    Http {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("metrics recorder: {0}")]
+    Metrics(String),
+    #[error(transparent)]
+    Host(#[from] HostError),
+    #[error("fleet: {0}")]
+    Fleet(String),
+}
+
+/// How often shards get their tick (retire idle tenants, sweep claims).
+const TICK: Duration = Duration::from_secs(1);
+
+pub(crate) fn shard_config(config: &NodeConfig) -> ShardConfig {
+    ShardConfig {
+        idle_after: Duration::from_millis(config.idle_after_ms),
+        sweep_every: Duration::from_millis(config.sweep_every_ms),
+        tenant_queue: config.tenant_queue,
+        ..ShardConfig::new(Arc::new(SystemClock))
+    }
+}
+
+/// Runs a node until `shutdown` resolves, then hands its shards back.
+pub async fn run(config: NodeConfig, shutdown: impl Future<Output = ()>) -> Result<(), NodeError> {
+    let health = Arc::new(Health::default());
+    if let Some(addr) = config.http_addr {
+        let handle = crate::http::install_recorder().map_err(NodeError::Metrics)?;
+        let bound = crate::http::serve(addr, handle, health.clone())
+            .await
+            .map_err(|source| NodeError::Http { addr, source })?;
+        tracing::info!(%bound, "serving /metrics, /healthz, /readyz");
+    }
+    let mut nats = config.nats.clone();
+    nats.name
+        .get_or_insert_with(|| format!("ankusa-node {}", config.node_id));
+    let client = nats.connect().await?;
+    health.set_client(client.clone());
+    tracing::info!(
+        node = %config.node_id,
+        instance = %config.instance,
+        shards = config.shards,
+        mode = ?config.mode,
+        servers = ?config.nats.servers,
+        "node starting"
+    );
+    match config.mode {
+        Mode::Standalone => standalone(config, client, health, shutdown).await,
+        Mode::Fleet => crate::fleet::run(config, client, health, shutdown)
+            .await
+            .map_err(|e| NodeError::Fleet(e.to_string())),
+    }
+}
+
+async fn standalone(
+    config: NodeConfig,
+    client: async_nats::Client,
+    health: Arc<Health>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), NodeError> {
+    let mut host = ShardHost::new(
+        client,
+        config.subjects(),
+        config.shards,
+        shard_config(&config),
+        Persistence::Memory,
+    );
+    for shard in 0..config.shards {
+        host.serve(shard, Vec::new(), None).await?;
+    }
+    health.set_shards(host.serving().len(), config.shards as usize);
+    tracing::info!(
+        shards = config.shards,
+        "serving every shard (standalone, in memory)"
+    );
+    let mut ticks = tokio::time::interval(TICK);
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = ticks.tick() => {
+                host.tick();
+                export_stats(&host).await;
+            }
+            _ = &mut shutdown => break,
+        }
+    }
+    health.set_shutting_down();
+    host.release_all().await;
+    tracing::info!("node stopped");
+    Ok(())
+}
+
+/// Publishes the host's gauges.
+pub(crate) async fn export_stats(host: &ShardHost) {
+    let stats = host.stats().await;
+    metrics::gauge!("ankusa_tenants_active").set(stats.active_tenants as f64);
+    metrics::gauge!("ankusa_tenants_parked").set(stats.parked_tenants as f64);
+    metrics::gauge!("ankusa_claims").set(stats.claims as f64);
+    metrics::gauge!("ankusa_tenant_restarts").set(stats.restarts as f64);
+    metrics::gauge!("ankusa_requests_shed").set(stats.shed as f64);
+}
+
+/// Resolves on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) {
+        (Ok(mut term), Ok(mut int)) => {
+            tokio::select! {
+                _ = term.recv() => tracing::info!("SIGTERM: handing shards back"),
+                _ = int.recv() => tracing::info!("SIGINT: handing shards back"),
+            }
+        }
+        _ => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
