@@ -1,0 +1,246 @@
+//! The NATS echo baseline against a real `nats-server` that this test starts on a
+//! free loopback port: the echo answers every call, the store sends exactly the
+//! fleet client's bytes, and transport failures are the right errors in budget.
+//!
+//! The server binary comes from `NATS_SERVER_BIN` or `PATH`; without one the
+//! test fails (it never skips): run `scripts/ensure-nats.sh`. (The shared
+//! harness lives in the `ankusa-tests` crate, which depends on this one, so this
+//! keeps a small helper of its own.)
+
+use std::net::{Ipv4Addr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ankusa_actors::{
+    Charge, Claim, HitOutcome, HitRequest, Kind, SettleOutcome, SettleRequest, Settlement,
+};
+use ankusa_bus::{Op, Request, Store, StoreError};
+use ankusa_node::bench::echo::{EchoResponder, EchoStore};
+use ankusa_node::bench::workload::{self, LoadMode, WorkloadConfig};
+use futures::StreamExt;
+
+const BUDGET: Duration = Duration::from_millis(500);
+
+/// A `nats-server` of this test's own, killed when dropped.
+struct NatsServer {
+    child: Child,
+    port: u16,
+}
+
+/// The server binary from `env` or `PATH`, or a message saying how to get one.
+fn find_binary(env: &str, name: &str, script: &str) -> Result<PathBuf, String> {
+    if let Some(path) = std::env::var_os(env).filter(|p| !p.is_empty()) {
+        let path = PathBuf::from(path);
+        return if path.is_file() {
+            Ok(path)
+        } else {
+            Err(format!(
+                "{env}={} is not a file: run {script} and point {env} at what it prints",
+                path.display()
+            ))
+        };
+    }
+    std::env::var_os("PATH")
+        .and_then(|path| {
+            std::env::split_paths(&path)
+                .map(|dir| dir.join(name))
+                .find(|candidate| candidate.is_file())
+        })
+        .ok_or_else(|| format!("{name} not found (set {env} or put it on PATH): run {script}"))
+}
+
+fn free_port() -> u16 {
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind a free port");
+    listener.local_addr().expect("local addr").port()
+}
+
+impl NatsServer {
+    fn start() -> Self {
+        let bin = find_binary("NATS_SERVER_BIN", "nats-server", "scripts/ensure-nats.sh")
+            .unwrap_or_else(|why| panic!("{why}"));
+        let port = free_port();
+        let child = Command::new(&bin)
+            .args(["-a", "127.0.0.1", "-p"])
+            .arg(port.to_string())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
+        let server = Self { child, port };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "nats-server did not listen on 127.0.0.1:{port} within 10 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        server
+    }
+
+    async fn client(&self) -> async_nats::Client {
+        async_nats::connect(format!("nats://127.0.0.1:{}", self.port))
+            .await
+            .expect("connect to the test's nats-server")
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn claim() -> Claim {
+    Claim {
+        tenant: "t".into(),
+        source_id: "src".into(),
+        key: "k".into(),
+        hook_id: "h".into(),
+        node: "n1".into(),
+        ttl_ms: 60_000,
+        pending_ttl_ms: 5_000,
+    }
+}
+
+fn hit() -> HitRequest {
+    HitRequest {
+        charges: vec![Charge {
+            kind: Kind::Hooks,
+            tenant: "t".into(),
+            increment_us: 1_000,
+            capacity_us: 1_000_000,
+        }],
+        claim: Some(claim()),
+    }
+}
+
+#[tokio::test]
+async fn the_echo_answers_hits_settles_and_resets() {
+    let server = NatsServer::start();
+    let client = server.client().await;
+    let _echo = EchoResponder::start(client.clone(), "bench.echo")
+        .await
+        .expect("start echo");
+    let store = EchoStore::new(client, "bench.echo");
+    assert_eq!(store.hit(hit(), BUDGET).await, Ok(HitOutcome::Ok));
+    let settle = SettleRequest {
+        claim: claim(),
+        settlement: Settlement::Commit,
+    };
+    assert_eq!(store.settle(settle, BUDGET).await, Ok(SettleOutcome::Ok));
+    assert_eq!(store.reset("t".into(), BUDGET).await, Ok(()));
+    // Invalid requests are refused before anything is sent, as the fleet client does.
+    let empty = HitRequest {
+        charges: vec![],
+        claim: None,
+    };
+    assert!(matches!(
+        store.hit(empty, BUDGET).await,
+        Err(StoreError::Invalid(_))
+    ));
+}
+
+#[tokio::test]
+async fn the_store_sends_the_fleet_clients_bytes() {
+    let server = NatsServer::start();
+    let client = server.client().await;
+    // A raw responder that records what arrives and answers like the echo.
+    let mut sub = client.subscribe("bench.raw.hit").await.expect("subscribe");
+    client.flush().await.expect("flush");
+    let responder = client.clone();
+    let seen = tokio::spawn(async move {
+        let msg = sub.next().await.expect("one request");
+        let reply = ankusa_bus::Reply::new(ankusa_bus::ReplyBody::Hit(HitOutcome::Ok)).encode();
+        if let Some(to) = msg.reply.clone() {
+            responder.publish(to, reply.into()).await.expect("publish");
+        }
+        msg.payload.to_vec()
+    });
+    let store = EchoStore::new(client, "bench.raw");
+    assert_eq!(store.hit(hit(), BUDGET).await, Ok(HitOutcome::Ok));
+    let payload = seen.await.expect("responder task");
+    let expected = Request::new(BUDGET.as_millis() as u64, Op::Hit(hit())).encode();
+    assert_eq!(payload, expected);
+}
+
+#[tokio::test]
+async fn transport_failures_are_errors_within_the_budget() {
+    let server = NatsServer::start();
+    let client = server.client().await;
+    // Nobody listens: no responders, at once.
+    let store = EchoStore::new(client.clone(), "bench.nobody");
+    let t0 = Instant::now();
+    assert_eq!(
+        store.hit(hit(), BUDGET).await,
+        Err(StoreError::NoResponders)
+    );
+    assert!(t0.elapsed() < BUDGET);
+
+    // Someone listens but never answers: a timeout, within the budget.
+    let _sub = client.subscribe("bench.mute.hit").await.expect("subscribe");
+    client.flush().await.expect("flush");
+    let store = EchoStore::new(client, "bench.mute");
+    let budget = Duration::from_millis(100);
+    let t0 = Instant::now();
+    assert_eq!(
+        store.hit(hit(), budget).await,
+        Err(StoreError::Timeout(budget))
+    );
+    let took = t0.elapsed();
+    assert!(took < budget + Duration::from_millis(50), "took {took:?}");
+}
+
+#[tokio::test]
+async fn a_responder_stops_answering_when_dropped() {
+    let server = NatsServer::start();
+    let client = server.client().await;
+    let echo = EchoResponder::start(client.clone(), "bench.gone")
+        .await
+        .expect("start echo");
+    assert!(EchoResponder::start(client.clone(), "bench.*")
+        .await
+        .is_err());
+    let store = EchoStore::new(client.clone(), echo.base());
+    assert_eq!(store.hit(hit(), BUDGET).await, Ok(HitOutcome::Ok));
+    drop(echo);
+    // The unsubscribe reaches the server asynchronously; give it a moment.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match store.hit(hit(), Duration::from_millis(200)).await {
+            Err(StoreError::NoResponders) => break,
+            other => assert!(Instant::now() < deadline, "still answered: {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_short_workload_runs_clean() {
+    let server = NatsServer::start();
+    let client = server.client().await;
+    let _echo = EchoResponder::start(client.clone(), "bench.load")
+        .await
+        .expect("start echo");
+    let store = Arc::new(EchoStore::new(client, "bench.load"));
+    let cfg = WorkloadConfig {
+        tenants: 50,
+        mode: LoadMode::Rate {
+            per_sec: 2_000.0,
+            max_in_flight: 256,
+        },
+        duration: Duration::from_millis(500),
+        max_hits: 50_000,
+        progress: false,
+        ..WorkloadConfig::default()
+    };
+    let report = workload::run(store, &cfg).await.expect("run");
+    // The echo answers Ok to everything, so every hit settles.
+    assert!(report.hits >= 900, "{report}");
+    assert_eq!(report.hit_outcomes.ok, report.hits, "{report}");
+    assert_eq!(report.settles, report.hits, "{report}");
+    assert_eq!(report.settle_outcomes.ok, report.settles, "{report}");
+}

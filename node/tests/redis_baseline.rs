@@ -1,0 +1,453 @@
+//! The Redis + Lua baseline against a real `redis-server` that this test starts
+//! on a free loopback port: every outcome of the contract, all-or-nothing
+//! charges, expiry, retry hints, the hard per-call budget, and a short workload.
+//!
+//! The server binary comes from `REDIS_SERVER_BIN` or `PATH`; without one the
+//! test fails (it never skips): run `scripts/ensure-redis.sh`.
+
+use std::net::{Ipv4Addr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ankusa_actors::{
+    Charge, Claim, HitOutcome, HitRequest, Kind, SettleOutcome, SettleRequest, Settlement,
+};
+use ankusa_bus::{Store, StoreError};
+use ankusa_node::bench::redis_lua::RedisLuaStore;
+use ankusa_node::bench::workload::{self, LoadMode, WorkloadConfig};
+
+const BUDGET: Duration = Duration::from_millis(500);
+
+/// A `redis-server` of this test's own, killed when dropped.
+struct RedisServer {
+    child: Child,
+    port: u16,
+}
+
+/// The server binary from `env` or `PATH`, or a message saying how to get one.
+fn find_binary(env: &str, name: &str, script: &str) -> Result<PathBuf, String> {
+    if let Some(path) = std::env::var_os(env).filter(|p| !p.is_empty()) {
+        let path = PathBuf::from(path);
+        return if path.is_file() {
+            Ok(path)
+        } else {
+            Err(format!(
+                "{env}={} is not a file: run {script} and point {env} at what it prints",
+                path.display()
+            ))
+        };
+    }
+    std::env::var_os("PATH")
+        .and_then(|path| {
+            std::env::split_paths(&path)
+                .map(|dir| dir.join(name))
+                .find(|candidate| candidate.is_file())
+        })
+        .ok_or_else(|| format!("{name} not found (set {env} or put it on PATH): run {script}"))
+}
+
+fn free_port() -> u16 {
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind a free port");
+    listener.local_addr().expect("local addr").port()
+}
+
+impl RedisServer {
+    fn start() -> Self {
+        let bin = find_binary(
+            "REDIS_SERVER_BIN",
+            "redis-server",
+            "scripts/ensure-redis.sh",
+        )
+        .unwrap_or_else(|why| panic!("{why}"));
+        let port = free_port();
+        let child = Command::new(&bin)
+            .args(["--bind", "127.0.0.1", "--port"])
+            .arg(port.to_string())
+            // No persistence: the test's data dies with the server.
+            .args(["--save", "", "--appendonly", "no"])
+            // DEBUG SLEEP stalls the server to test the per-call budget.
+            .args(["--enable-debug-command", "local"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
+        let server = Self { child, port };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "redis-server did not listen on 127.0.0.1:{port} within 10 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        server
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn charge(tenant: &str, kind: Kind, increment_us: u64, capacity_us: u64) -> Charge {
+    Charge {
+        kind,
+        tenant: tenant.into(),
+        increment_us,
+        capacity_us,
+    }
+}
+
+fn claim(tenant: &str, key: &str, hook: &str) -> Claim {
+    Claim {
+        tenant: tenant.into(),
+        source_id: "src".into(),
+        key: key.into(),
+        hook_id: hook.into(),
+        node: "n1".into(),
+        ttl_ms: 60_000,
+        pending_ttl_ms: 5_000,
+    }
+}
+
+fn hit(charges: Vec<Charge>, claim: Option<Claim>) -> HitRequest {
+    HitRequest { charges, claim }
+}
+
+fn settle(claim: Claim, settlement: Settlement) -> SettleRequest {
+    SettleRequest { claim, settlement }
+}
+
+/// Generous buckets: never the reason for an answer.
+fn roomy(tenant: &str) -> Vec<Charge> {
+    vec![
+        charge(tenant, Kind::Hooks, 1, 1_000_000),
+        charge(tenant, Kind::Bytes, 1, 1_000_000),
+    ]
+}
+
+async fn store(server: &RedisServer) -> RedisLuaStore {
+    RedisLuaStore::connect(&server.url(), 2)
+        .await
+        .expect("connect to the test's redis-server")
+}
+
+#[tokio::test]
+async fn every_outcome_of_the_two_phase_claim() {
+    let server = RedisServer::start();
+    let store = store(&server).await;
+    let t = "tenant-a";
+    let a = claim(t, "evt-1", "hook-a");
+    let b = claim(t, "evt-1", "hook-b");
+
+    let first = store.hit(hit(roomy(t), Some(a.clone())), BUDGET).await;
+    assert_eq!(first, Ok(HitOutcome::Ok));
+    // The same hook's replay of its pending claim is Ok again.
+    let replay = store.hit(hit(roomy(t), Some(a.clone())), BUDGET).await;
+    assert_eq!(replay, Ok(HitOutcome::Ok));
+    // Another hook meets a pending key: Pending, never Duplicate.
+    match store.hit(hit(roomy(t), Some(b.clone())), BUDGET).await {
+        Ok(HitOutcome::Pending { retry_after_ms }) => {
+            assert!(
+                retry_after_ms > 0 && retry_after_ms <= 5_000,
+                "{retry_after_ms}"
+            );
+        }
+        other => panic!("expected Pending, got {other:?}"),
+    }
+    // Only the holder may settle.
+    assert_eq!(
+        store
+            .settle(settle(b.clone(), Settlement::Commit), BUDGET)
+            .await,
+        Ok(SettleOutcome::NotOwner {
+            hook_id: "hook-a".into()
+        })
+    );
+    assert_eq!(
+        store
+            .settle(settle(a.clone(), Settlement::Commit), BUDGET)
+            .await,
+        Ok(SettleOutcome::Ok)
+    );
+    // A repeated commit is Ok; a release after a commit is refused.
+    assert_eq!(
+        store
+            .settle(settle(a.clone(), Settlement::Commit), BUDGET)
+            .await,
+        Ok(SettleOutcome::Ok)
+    );
+    assert_eq!(
+        store
+            .settle(settle(a.clone(), Settlement::Release), BUDGET)
+            .await,
+        Ok(SettleOutcome::AlreadyCommitted)
+    );
+    // Committed: now, and only now, a duplicate.
+    assert_eq!(
+        store.hit(hit(roomy(t), Some(b.clone())), BUDGET).await,
+        Ok(HitOutcome::Duplicate {
+            hook_id: "hook-a".into()
+        })
+    );
+    // The same hook meeting its own committed key is a duplicate too.
+    assert_eq!(
+        store.hit(hit(roomy(t), Some(a.clone())), BUDGET).await,
+        Ok(HitOutcome::Duplicate {
+            hook_id: "hook-a".into()
+        })
+    );
+    // No live claim: not found.
+    assert_eq!(
+        store
+            .settle(
+                settle(claim(t, "never", "hook-a"), Settlement::Commit),
+                BUDGET
+            )
+            .await,
+        Ok(SettleOutcome::NotFound)
+    );
+    // A released claim frees its key for the next hook.
+    let c = claim(t, "evt-2", "hook-c");
+    let d = claim(t, "evt-2", "hook-d");
+    assert_eq!(
+        store.hit(hit(vec![], Some(c.clone())), BUDGET).await,
+        Ok(HitOutcome::Ok)
+    );
+    assert_eq!(
+        store
+            .settle(settle(c.clone(), Settlement::Release), BUDGET)
+            .await,
+        Ok(SettleOutcome::Ok)
+    );
+    assert_eq!(
+        store.settle(settle(c, Settlement::Release), BUDGET).await,
+        Ok(SettleOutcome::NotFound)
+    );
+    assert_eq!(
+        store.hit(hit(vec![], Some(d)), BUDGET).await,
+        Ok(HitOutcome::Ok)
+    );
+    // Claims are scoped by tenant: another tenant's evt-1 is free.
+    assert_eq!(
+        store
+            .hit(
+                hit(vec![], Some(claim("tenant-b", "evt-1", "hook-x"))),
+                BUDGET
+            )
+            .await,
+        Ok(HitOutcome::Ok)
+    );
+}
+
+#[tokio::test]
+async fn charges_are_all_or_nothing_and_taken_keys_spend_nothing() {
+    let server = RedisServer::start();
+    let store = store(&server).await;
+    let t = "tenant-aon";
+    // Hooks holds two hits in a burst, bytes one: the second hit is denied by
+    // bytes alone, and must not move hooks either.
+    let both = || {
+        vec![
+            charge(t, Kind::Hooks, 1_000_000, 2_000_000),
+            charge(t, Kind::Bytes, 1_000_000, 1_000_000),
+        ]
+    };
+    assert_eq!(
+        store
+            .hit(hit(both(), Some(claim(t, "k1", "h1"))), BUDGET)
+            .await,
+        Ok(HitOutcome::Ok)
+    );
+    match store
+        .hit(hit(both(), Some(claim(t, "k2", "h2"))), BUDGET)
+        .await
+    {
+        Ok(HitOutcome::RateLimited { retry_after_ms }) => {
+            assert!(
+                retry_after_ms > 0 && retry_after_ms <= 1_000,
+                "{retry_after_ms}"
+            );
+        }
+        other => panic!("expected RateLimited, got {other:?}"),
+    }
+    // Nothing was written by the denied hit: hooks still has its second slot...
+    let hooks_only = vec![charge(t, Kind::Hooks, 1_000_000, 2_000_000)];
+    assert_eq!(
+        store.hit(hit(hooks_only.clone(), None), BUDGET).await,
+        Ok(HitOutcome::Ok)
+    );
+    assert!(matches!(
+        store.hit(hit(hooks_only, None), BUDGET).await,
+        Ok(HitOutcome::RateLimited { .. })
+    ));
+    // ...and k2 was never claimed.
+    assert_eq!(
+        store
+            .hit(hit(vec![], Some(claim(t, "k2", "other"))), BUDGET)
+            .await,
+        Ok(HitOutcome::Ok)
+    );
+
+    // A duplicate or pending answer spends no charge.
+    let u = "tenant-spend";
+    let one_left = || vec![charge(u, Kind::Hooks, 1_000_000, 2_000_000)];
+    let first = claim(u, "k", "h1");
+    assert_eq!(
+        store
+            .hit(hit(one_left(), Some(first.clone())), BUDGET)
+            .await,
+        Ok(HitOutcome::Ok)
+    );
+    assert!(matches!(
+        store
+            .hit(hit(one_left(), Some(claim(u, "k", "h2"))), BUDGET)
+            .await,
+        Ok(HitOutcome::Pending { .. })
+    ));
+    assert_eq!(
+        store
+            .settle(settle(first, Settlement::Commit), BUDGET)
+            .await,
+        Ok(SettleOutcome::Ok)
+    );
+    assert!(matches!(
+        store
+            .hit(hit(one_left(), Some(claim(u, "k", "h3"))), BUDGET)
+            .await,
+        Ok(HitOutcome::Duplicate { .. })
+    ));
+    // The second slot is still there for a fresh key.
+    assert_eq!(
+        store
+            .hit(hit(one_left(), Some(claim(u, "k-new", "h4"))), BUDGET)
+            .await,
+        Ok(HitOutcome::Ok)
+    );
+    // A denied charge answers before the claim: even a committed key is
+    // RateLimited while the bucket is empty.
+    assert!(matches!(
+        store
+            .hit(hit(one_left(), Some(claim(u, "k", "h5"))), BUDGET)
+            .await,
+        Ok(HitOutcome::RateLimited { .. })
+    ));
+
+    // Reset forgets the buckets (claims stay).
+    store.reset(u.into(), BUDGET).await.expect("reset");
+    assert_eq!(
+        store.hit(hit(one_left(), None), BUDGET).await,
+        Ok(HitOutcome::Ok)
+    );
+    assert!(matches!(
+        store
+            .hit(hit(one_left(), Some(claim(u, "k", "h6"))), BUDGET)
+            .await,
+        Ok(HitOutcome::Duplicate { .. })
+    ));
+}
+
+#[tokio::test]
+async fn pending_claims_expire_and_bad_requests_are_refused() {
+    let server = RedisServer::start();
+    let store = store(&server).await;
+    let t = "tenant-exp";
+    let mut short = claim(t, "k", "h1");
+    short.pending_ttl_ms = 100;
+    assert_eq!(
+        store.hit(hit(vec![], Some(short.clone())), BUDGET).await,
+        Ok(HitOutcome::Ok)
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The holder died without settling: the key is free again.
+    assert_eq!(
+        store
+            .hit(hit(vec![], Some(claim(t, "k", "h2"))), BUDGET)
+            .await,
+        Ok(HitOutcome::Ok)
+    );
+    assert_eq!(
+        store
+            .settle(settle(short, Settlement::Commit), BUDGET)
+            .await,
+        Ok(SettleOutcome::NotOwner {
+            hook_id: "h2".into()
+        })
+    );
+
+    // Refused before Redis is asked, as the fleet's edge client does.
+    assert!(matches!(
+        store.hit(hit(vec![], None), BUDGET).await,
+        Err(StoreError::Invalid(_))
+    ));
+    assert!(matches!(
+        store
+            .hit(hit(vec![charge(t, Kind::Hooks, 10, 5)], None), BUDGET)
+            .await,
+        Err(StoreError::Invalid(_))
+    ));
+}
+
+#[tokio::test]
+async fn a_stalled_server_answers_timeout_within_the_budget() {
+    let server = RedisServer::start();
+    let store = Arc::new(store(&server).await);
+    // Stall the server for 1 s from a connection of its own.
+    let client = redis::Client::open(server.url()).expect("url");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect");
+    let stall = tokio::spawn(async move {
+        let _: redis::RedisResult<redis::Value> = redis::cmd("DEBUG")
+            .arg("SLEEP")
+            .arg("1")
+            .query_async(&mut conn)
+            .await;
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let budget = Duration::from_millis(100);
+    let t0 = Instant::now();
+    let answer = store.hit(hit(roomy("tenant-stall"), None), budget).await;
+    let took = t0.elapsed();
+    assert_eq!(answer, Err(StoreError::Timeout(budget)));
+    assert!(took < budget + Duration::from_millis(50), "took {took:?}");
+    stall.await.expect("stall task");
+    // And once the server is back, so are answers.
+    assert_eq!(
+        store.hit(hit(roomy("tenant-stall"), None), BUDGET).await,
+        Ok(HitOutcome::Ok)
+    );
+}
+
+#[tokio::test]
+async fn a_short_workload_runs_clean() {
+    let server = RedisServer::start();
+    let store = Arc::new(store(&server).await);
+    let cfg = WorkloadConfig {
+        tenants: 50,
+        mode: LoadMode::Concurrency { in_flight: 32 },
+        duration: Duration::from_millis(500),
+        max_hits: 50_000,
+        duplicate_rate: 0.1,
+        release_share: 0.1,
+        progress: false,
+        ..WorkloadConfig::default()
+    };
+    let report = workload::run(store, &cfg).await.expect("run");
+    let h = &report.hit_outcomes;
+    assert!(report.hits > 100, "{report}");
+    assert_eq!(h.errors_total(), 0, "{report}");
+    assert_eq!(report.settle_outcomes.errors_total(), 0, "{report}");
+    assert!(h.duplicate > 0, "{report}");
+    assert_eq!(report.settles, h.ok, "{report}");
+    assert_eq!(report.settle_outcomes.ok, report.settles, "{report}");
+}
