@@ -7,6 +7,7 @@
 //! - [`run`]: the node's life from start to graceful stop;
 //! - [`health`], [`http`]: readiness and the operator endpoints.
 
+pub mod bench;
 pub mod config;
 pub mod fleet;
 pub mod health;
