@@ -14,7 +14,8 @@
 //!    is open a hit is answered locally at once (`LocalReason::BreakerOpen`).
 //! 4. The fleet gets the call's budget less a small reserve for the local answer,
 //!    under a guard timer of its own, so a store that overruns its budget still
-//!    cannot make the call late. On an outage error (`StoreError::is_outage`) a
+//!    cannot make the call late (the guard is a tokio timer: call the edge from
+//!    within a tokio runtime). On an outage error (`StoreError::is_outage`) a
 //!    hit or reset is answered locally; any other error is returned as is.
 //!
 //! # Settles are never degraded into local commits
@@ -84,7 +85,8 @@ impl LocalReason {
             StoreError::Disconnected => LocalReason::Disconnected,
             StoreError::Refused(reply) => LocalReason::NodeError(reply.code),
             StoreError::BadReply(_) => LocalReason::BadReply,
-            StoreError::Transport(_) | StoreError::Invalid(_) => LocalReason::Transport,
+            StoreError::Transport(_) => LocalReason::Transport,
+            StoreError::Invalid(_) => return None,
         })
     }
 }
