@@ -3,7 +3,8 @@
 //! multi-thread tokio runtime. After the criterion runs, a plain latency pass
 //! prints p50/p99/p99.9 of single actor round trips, since the target is a median.
 //!
-//! Run: `cargo bench -p ankusa-actors --bench hit`.
+//! Run: `cargo bench -p ankusa-actors --bench hit`; set `HIT_BENCH_LATENCY=off` to
+//! skip the latency pass.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -248,7 +249,11 @@ fn actor(c: &mut Criterion) {
 }
 
 /// Single round trips timed one by one, for the median the target is set on.
+/// `HIT_BENCH_LATENCY=off` skips it (e.g. when profiling one criterion bench).
 fn latency() {
+    if std::env::var("HIT_BENCH_LATENCY").is_ok_and(|v| v == "off") {
+        return;
+    }
     for (name, multi) in [("current_thread", false), ("multi_thread", true)] {
         let rt = runtime(multi);
         let shard = shard(&rt);

@@ -5,6 +5,8 @@
 //! layer above can persist exactly what moved (claims before answering, bucket
 //! TATs written behind) without diffing state.
 
+use std::collections::hash_map::Entry;
+
 use serde::{Deserialize, Serialize};
 
 use crate::claims::{ClaimEntry, ClaimKey, ClaimRecord, ClaimTable, Phase};
@@ -84,35 +86,37 @@ impl TenantState {
     /// taken key answers `Duplicate` (committed only) or `Pending` and spends
     /// nothing; otherwise every charge is taken and the key becomes pending.
     pub fn hit(&mut self, now_us: u64, req: &HitRequest) -> Applied<HitOutcome> {
-        let claim_key = req
+        // One hash of the key for the whole hit: the slot found here is read for the
+        // replay and the taken checks and, if the hit passes, claimed in place.
+        let Self { tats, claims } = self;
+        let slot = req
             .claim
             .as_ref()
-            .map(|c| ClaimKey::new(&c.source_id, &c.key));
-        if let (Some(claim), Some(key)) = (&req.claim, &claim_key) {
-            if let Some(entry) = self.claims.live(key, now_us) {
-                if matches!(entry.phase, Phase::Pending { .. }) && *entry.hook_id == *claim.hook_id
-                {
-                    return Applied {
-                        outcome: HitOutcome::Ok,
-                        changes: Changes {
-                            claim: Some(ClaimChange::Put(ClaimRecord::from_entry(key, entry))),
-                            buckets: Vec::new(),
-                        },
-                    };
-                }
+            .map(|c| (c, claims.entry(ClaimKey::new(&c.source_id, &c.key))));
+        if let Some((claim, Entry::Occupied(occupied))) = &slot {
+            let entry = occupied.get();
+            if entry.is_live(now_us)
+                && matches!(entry.phase, Phase::Pending { .. })
+                && *entry.hook_id == *claim.hook_id
+            {
+                return Applied {
+                    outcome: HitOutcome::Ok,
+                    changes: Changes {
+                        claim: Some(ClaimChange::Put(ClaimRecord::from_entry(
+                            occupied.key(),
+                            entry,
+                        ))),
+                        buckets: Vec::new(),
+                    },
+                };
             }
         }
 
-        let mut new_tats = self.tats;
+        let mut new_tats = *tats;
         let mut wait_us = None::<u64>;
         for charge in &req.charges {
             let slot = charge.kind.index();
-            match gcra::charge(
-                self.tats[slot],
-                now_us,
-                charge.increment_us,
-                charge.capacity_us,
-            ) {
+            match gcra::charge(tats[slot], now_us, charge.increment_us, charge.capacity_us) {
                 Ok(tat) => new_tats[slot] = tat,
                 Err(denied) => wait_us = Some(wait_us.unwrap_or(0).max(denied.retry_after_us)),
             }
@@ -123,33 +127,57 @@ impl TenantState {
             });
         }
 
-        let mut changes = Changes::default();
-        if let (Some(claim), Some(key)) = (&req.claim, claim_key) {
-            if let Some(entry) = self.claims.live(&key, now_us) {
-                let outcome = match entry.phase {
-                    Phase::Committed => HitOutcome::Duplicate {
-                        hook_id: entry.hook_id.to_string(),
-                    },
-                    Phase::Pending { .. } => HitOutcome::Pending {
-                        retry_after_ms: gcra::retry_ms(entry.expires_us - now_us),
-                    },
-                };
-                return Applied::unchanged(outcome);
+        let mut changes = Changes {
+            claim: None,
+            buckets: Vec::with_capacity(req.charges.len()),
+        };
+        if let Some((claim, slot)) = slot {
+            if let Entry::Occupied(occupied) = &slot {
+                let entry = occupied.get();
+                if entry.is_live(now_us) {
+                    let outcome = match entry.phase {
+                        Phase::Committed => HitOutcome::Duplicate {
+                            hook_id: entry.hook_id.to_string(),
+                        },
+                        Phase::Pending { .. } => HitOutcome::Pending {
+                            retry_after_ms: gcra::retry_ms(entry.expires_us - now_us),
+                        },
+                    };
+                    return Applied::unchanged(outcome);
+                }
             }
+            let expires_us = until_ms(now_us, claim.pending_ttl_ms);
             let entry = ClaimEntry {
                 hook_id: claim.hook_id.as_str().into(),
                 phase: Phase::Pending {
                     node: claim.node.as_str().into(),
                 },
-                expires_us: until_ms(now_us, claim.pending_ttl_ms),
+                expires_us,
             };
-            changes.claim = Some(ClaimChange::Put(ClaimRecord::from_entry(&key, &entry)));
-            self.claims.insert(key, entry);
+            // The record straight from the request: the same fields the entry holds,
+            // without unpacking the key again.
+            changes.claim = Some(ClaimChange::Put(ClaimRecord {
+                source_id: claim.source_id.clone(),
+                key: claim.key.clone(),
+                hook_id: claim.hook_id.clone(),
+                node: Some(claim.node.clone()),
+                committed: false,
+                expires_us,
+            }));
+            match slot {
+                // An expired claim is replaced where it lies.
+                Entry::Occupied(mut expired) => {
+                    expired.insert(entry);
+                }
+                Entry::Vacant(vacant) => {
+                    vacant.insert(entry);
+                }
+            }
         }
 
         for charge in &req.charges {
             let slot = charge.kind.index();
-            self.tats[slot] = new_tats[slot];
+            tats[slot] = new_tats[slot];
             changes.buckets.push(BucketRecord {
                 kind: charge.kind,
                 tat_us: new_tats[slot],
