@@ -8,14 +8,19 @@
 //!   clusters ([`NatsCluster`]), plus locating the binary ([`nats_server_bin`]).
 //! - [`process`]: a generic child-process handle ([`ChildProcess`]) for our own
 //!   binaries and [`cargo_bin`] to locate (and build) them.
+//! - [`fleet`]: our `ankusa-node` processes ([`NodeProcess`]) and bounded polling.
+//! - [`requests`]: builders for the contract's requests.
 //! - [`ports`]: free loopback ports that are not handed out twice per test process.
 
 pub mod error;
+pub mod fleet;
 pub mod nats;
 pub mod ports;
 pub mod process;
+pub mod requests;
 
 pub use error::HarnessError;
+pub use fleet::{wait_until, NodeProcess, NodeSpec};
 pub use nats::{nats_server_bin, try_nats_server_bin, NatsCluster, NatsServer, ServerConfig};
 pub use ports::free_port;
 pub use process::{cargo_bin, try_cargo_bin, ChildProcess, Signal};

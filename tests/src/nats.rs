@@ -525,7 +525,7 @@ fn port_clash(e: &HarnessError) -> bool {
 }
 
 /// Minimal HTTP/1.0 GET against the loopback monitor port (no HTTP client dependency).
-async fn http_get(port: u16, path: &str) -> Result<(u16, String), String> {
+pub(crate) async fn http_get(port: u16, path: &str) -> Result<(u16, String), String> {
     let request = async {
         let mut stream = TcpStream::connect((LOOPBACK, port))
             .await
