@@ -1025,33 +1025,50 @@ async fn open_loop<S: Store>(
     let deadline = start + plan.cfg.duration;
     let (tx, mut rx) = mpsc::unbounded_channel::<OpResult>();
     let slots = Arc::new(Semaphore::new(max_in_flight));
+    // The schedule is kept by an OS thread, not a task: tokio's timer is
+    // ms-grained, which would send hits up to 1 ms late and charge that to
+    // every latency; a thread's sleep wakes within tens of µs. Calls themselves
+    // run on the runtime, spawned through its handle.
+    let runtime = tokio::runtime::Handle::current();
     let scheduler = {
-        let plan = Arc::clone(&plan);
-        tokio::spawn(async move {
-            let mut rng = SmallRng::seed_from_u64(plan.cfg.seed);
-            let mut i: u64 = 0;
-            loop {
-                let due = start + Duration::from_secs_f64(i as f64 / per_sec);
-                if due >= deadline || !plan.ticket() {
-                    break;
+        let (plan, slots) = (Arc::clone(&plan), Arc::clone(&slots));
+        let (start, deadline) = (start.into_std(), deadline.into_std());
+        std::thread::Builder::new()
+            .name("bench-schedule".into())
+            .spawn(move || {
+                let mut rng = SmallRng::seed_from_u64(plan.cfg.seed);
+                let mut i: u64 = 0;
+                loop {
+                    let due = start + Duration::from_secs_f64(i as f64 / per_sec);
+                    if due >= deadline || !plan.ticket() {
+                        break;
+                    }
+                    let now = std::time::Instant::now();
+                    if due > now {
+                        std::thread::sleep(due - now);
+                    }
+                    // A full window waits here; the hit is still timed from
+                    // `due`. The semaphore is closed when the run ends.
+                    let permit = match Arc::clone(&slots).try_acquire_owned() {
+                        Ok(permit) => permit,
+                        Err(_) => match runtime.block_on(Arc::clone(&slots).acquire_owned()) {
+                            Ok(permit) => permit,
+                            Err(_) => break,
+                        },
+                    };
+                    let spec = plan.draw(&mut rng);
+                    let (store, plan, tx) = (Arc::clone(&store), Arc::clone(&plan), tx.clone());
+                    let due = Instant::from_std(due);
+                    runtime.spawn(async move {
+                        let op = plan.execute(&*store, spec, due).await;
+                        // The collector is gone only once the run is over.
+                        let _ = tx.send(op);
+                        drop(permit);
+                    });
+                    i += 1;
                 }
-                // The timer wheel is ms-grained: hits due within the same ms go
-                // out together, each still timed from its own due instant.
-                tokio::time::sleep_until(due).await;
-                let Ok(permit) = Arc::clone(&slots).acquire_owned().await else {
-                    break;
-                };
-                let spec = plan.draw(&mut rng);
-                let (store, plan, tx) = (Arc::clone(&store), Arc::clone(&plan), tx.clone());
-                tokio::spawn(async move {
-                    let op = plan.execute(&*store, spec, due).await;
-                    // The collector is gone only once the run is over.
-                    let _ = tx.send(op);
-                    drop(permit);
-                });
-                i += 1;
-            }
-        })
+            })
+            .map_err(|e| WorkloadError::Task(format!("cannot start the scheduler thread: {e}")))?
     };
     let end = hard_end(start, &plan.cfg);
     let mut stats = Stats::new();
@@ -1067,7 +1084,10 @@ async fn open_loop<S: Store>(
             }
         }
     }
-    scheduler.abort();
+    // Unblocks a scheduler still waiting for a slot; it then ends by itself
+    // (it never outlives the run's duration otherwise).
+    slots.close();
+    drop(scheduler);
     Ok((stats, abandoned))
 }
 
