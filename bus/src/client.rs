@@ -148,8 +148,8 @@ impl FleetStore {
             }
         };
         match tokio::time::timeout_at(deadline, work).await {
+            Ok(Err(StoreError::Timeout(_))) | Err(_) => Err(StoreError::Timeout(timeout)),
             Ok(result) => result,
-            Err(_) => Err(StoreError::Timeout(timeout)),
         }
     }
 }
@@ -260,8 +260,14 @@ impl Inner {
             let batch: Vec<Queued> = {
                 let mut lane = self.lanes[shard].lock().unwrap_or_else(|p| p.into_inner());
                 let now = Instant::now();
-                lane.queue
-                    .retain(|q| q.deadline > now && !q.reply.is_closed());
+                let (live, expired): (Vec<_>, Vec<_>) = std::mem::take(&mut lane.queue)
+                    .into_iter()
+                    .filter(|q| !q.reply.is_closed())
+                    .partition(|q| q.deadline > now);
+                lane.queue = live;
+                for q in expired {
+                    let _ = q.reply.send(Err(StoreError::Timeout(Duration::ZERO)));
+                }
                 if lane.queue.is_empty() {
                     lane.busy = false;
                     return;

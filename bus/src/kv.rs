@@ -442,10 +442,7 @@ fn absorb_stored(
     payload: &[u8],
     now_us: u64,
 ) -> Result<(), KvError> {
-    fn slot<'a>(
-        tenants: &'a mut HashMap<String, TenantSnapshot>,
-        tenant: String,
-    ) -> &'a mut TenantSnapshot {
+    fn slot(tenants: &mut HashMap<String, TenantSnapshot>, tenant: String) -> &mut TenantSnapshot {
         tenants
             .entry(tenant.clone())
             .or_insert_with(|| TenantSnapshot {
@@ -504,15 +501,22 @@ struct Submitted {
     done: Option<oneshot::Sender<Result<(), PersistError>>>,
 }
 
-/// Writes most acks may wait at once before new writes wait.
-const MAX_IN_FLIGHT: usize = 8192;
+/// Acks awaited at once before new writes wait. Below the JetStream context's
+/// publish permits (`max_ack_inflight`, 5000 by default): a publish waits for a
+/// permit that only an awaited ack returns, and both happen in one loop here.
+const MAX_IN_FLIGHT: usize = 4000;
+
+/// A tenant of a shard whose buckets changed since the last flush.
+type DirtyTenant = (u32, String);
+/// The latest TAT per bucket kind, where it moved.
+type DirtyTats = [Option<u64>; 2];
 
 /// Group-committing writer of one node's claims and buckets.
 pub struct KvWriter {
     kv: FleetKv,
     tx: mpsc::Sender<Submitted>,
     /// Buckets changed since the last flush, latest TATs per tenant.
-    dirty: Mutex<HashMap<(u32, String), [Option<u64>; 2]>>,
+    dirty: Mutex<HashMap<DirtyTenant, DirtyTats>>,
 }
 
 impl KvWriter {
@@ -592,7 +596,7 @@ impl KvWriter {
 
     /// Writes the dirty buckets (of one shard, or all) now and waits for the acks.
     pub async fn flush_buckets(&self, shard: Option<u32>) {
-        let batch: Vec<((u32, String), [Option<u64>; 2])> = {
+        let batch: Vec<(DirtyTenant, DirtyTats)> = {
             let mut dirty = self.dirty.lock().unwrap_or_else(|p| p.into_inner());
             match shard {
                 None => dirty.drain().collect(),

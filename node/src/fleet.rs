@@ -47,7 +47,7 @@ fn weight(node: &str, shard: u32) -> u64 {
 }
 
 /// The node that should own `shard` among `nodes` (highest weight, ties by name).
-pub fn target_owner<'a>(nodes: &'a BTreeSet<String>, shard: u32) -> Option<&'a str> {
+pub fn target_owner(nodes: &BTreeSet<String>, shard: u32) -> Option<&str> {
     nodes
         .iter()
         .max_by(|a, b| {

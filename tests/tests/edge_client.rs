@@ -1,0 +1,312 @@
+//! The edge client against a real nats-server and a real `ankusa-node`
+//! (standalone): every result kind end to end, the protocol's refusals, hard
+//! deadlines with a paused node, NATS absent at start, and NATS coming back.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ankusa_actors::{HitOutcome, HitRequest, SettleOutcome, Settlement};
+use ankusa_bus::edge::{Edge, EdgeConfig, LocalReason, Source};
+use ankusa_bus::protocol::{ErrorCode, Op, Reply, ReplyBody, Request};
+use ankusa_bus::{FleetConfig, FleetStore, NatsOptions, Store, StoreError, Subjects};
+use ankusa_tests::requests::{claim, hit, hooks, settle};
+use ankusa_tests::{wait_until, NatsServer, NodeProcess, NodeSpec};
+
+const T: Duration = Duration::from_millis(500);
+
+async fn fleet(url: &str, batching: bool) -> FleetStore {
+    let mut config = FleetConfig::new(NatsOptions::with_servers([url]), "test");
+    config.shards = 16;
+    config.batching = batching;
+    FleetStore::connect(config).await.expect("valid config")
+}
+
+/// An edge client that has finished connecting (connect itself never waits).
+async fn connected(url: &str) -> FleetStore {
+    let store = fleet(url, true).await;
+    wait_until(Duration::from_secs(5), || async {
+        store.nats().connection_state() == async_nats::connection::State::Connected
+    })
+    .await
+    .expect("edge connects");
+    store
+}
+
+async fn serving_pair() -> (NatsServer, NodeProcess) {
+    let nats = NatsServer::start().await.expect("nats-server starts");
+    let node =
+        NodeProcess::start(NodeSpec::standalone("solo", vec![nats.url()])).expect("node starts");
+    node.wait_ready(Duration::from_secs(20))
+        .await
+        .expect("node ready");
+    (nats, node)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_result_kind_end_to_end() {
+    let (nats, _node) = serving_pair().await;
+    let store = connected(&nats.url()).await;
+
+    // Ok, then Pending for another hook, then Duplicate once committed.
+    assert_eq!(
+        store.hit(hit("acme", "evt-1", "h1"), T).await,
+        Ok(HitOutcome::Ok)
+    );
+    match store.hit(hit("acme", "evt-1", "h2"), T).await {
+        Ok(HitOutcome::Pending { retry_after_ms }) => assert!(retry_after_ms >= 1),
+        other => panic!("expected Pending, got {other:?}"),
+    }
+    assert_eq!(
+        store
+            .settle(settle("acme", "evt-1", "h2", Settlement::Commit), T)
+            .await,
+        Ok(SettleOutcome::NotOwner {
+            hook_id: "h1".into()
+        })
+    );
+    assert_eq!(
+        store
+            .settle(settle("acme", "evt-1", "h1", Settlement::Commit), T)
+            .await,
+        Ok(SettleOutcome::Ok)
+    );
+    assert_eq!(
+        store.hit(hit("acme", "evt-1", "h3"), T).await,
+        Ok(HitOutcome::Duplicate {
+            hook_id: "h1".into()
+        })
+    );
+    assert_eq!(
+        store
+            .settle(settle("acme", "evt-1", "h1", Settlement::Release), T)
+            .await,
+        Ok(SettleOutcome::AlreadyCommitted)
+    );
+
+    // Release frees the key; an unknown claim is NotFound.
+    assert_eq!(
+        store.hit(hit("acme", "evt-2", "h4"), T).await,
+        Ok(HitOutcome::Ok)
+    );
+    assert_eq!(
+        store
+            .settle(settle("acme", "evt-2", "h4", Settlement::Release), T)
+            .await,
+        Ok(SettleOutcome::Ok)
+    );
+    assert_eq!(
+        store.hit(hit("acme", "evt-2", "h5"), T).await,
+        Ok(HitOutcome::Ok)
+    );
+    assert_eq!(
+        store
+            .settle(settle("acme", "nope", "h9", Settlement::Commit), T)
+            .await,
+        Ok(SettleOutcome::NotFound)
+    );
+
+    // A burst of two, then RateLimited; a reset forgets the bucket.
+    let limited = |n: &str| HitRequest {
+        charges: vec![hooks("tight", 2, 60_000)],
+        claim: Some(claim("tight", n, n)),
+    };
+    assert_eq!(store.hit(limited("a"), T).await, Ok(HitOutcome::Ok));
+    assert_eq!(store.hit(limited("b"), T).await, Ok(HitOutcome::Ok));
+    match store.hit(limited("c"), T).await {
+        Ok(HitOutcome::RateLimited { retry_after_ms }) => {
+            assert!(
+                (59_000..=60_000).contains(&retry_after_ms),
+                "{retry_after_ms}"
+            )
+        }
+        other => panic!("expected RateLimited, got {other:?}"),
+    }
+    // The denied hit wrote nothing: its key is still free after the reset.
+    assert_eq!(store.reset("tight".into(), T).await, Ok(()));
+    assert_eq!(store.hit(limited("c"), T).await, Ok(HitOutcome::Ok));
+
+    // Invalid requests are refused before they leave the edge.
+    let mut bad = hit("acme", "evt-3", "h6");
+    bad.charges[0].increment_us = 0;
+    assert!(matches!(
+        store.hit(bad, T).await,
+        Err(StoreError::Invalid(_))
+    ));
+
+    // Concurrent hits on one shard share messages and all get their own answer.
+    let calls = (0..200).map(|i| {
+        let store = store.clone();
+        async move {
+            store
+                .hit(hit("acme", &format!("burst-{i}"), &format!("b{i}")), T)
+                .await
+        }
+    });
+    let answers = futures::future::join_all(calls).await;
+    assert!(
+        answers.iter().all(|a| *a == Ok(HitOutcome::Ok)),
+        "{answers:?}"
+    );
+    let replays = (0..200).map(|i| {
+        let store = store.clone();
+        async move {
+            store
+                .hit(hit("acme", &format!("burst-{i}"), &format!("other{i}")), T)
+                .await
+        }
+    });
+    let replays = futures::future::join_all(replays).await;
+    assert!(
+        replays
+            .iter()
+            .all(|a| matches!(a, Ok(HitOutcome::Pending { .. }))),
+        "{replays:?}"
+    );
+}
+
+/// Sends raw bytes to a subject and decodes the reply.
+async fn raw(client: &async_nats::Client, subject: String, payload: Vec<u8>) -> Reply {
+    let message = tokio::time::timeout(T, client.request(subject, payload.into()))
+        .await
+        .expect("answered in time")
+        .expect("request sent");
+    Reply::decode(&message.payload).expect("a well-formed reply")
+}
+
+fn error_code(reply: &Reply) -> ErrorCode {
+    match &reply.body {
+        ReplyBody::Error(err) => err.code,
+        other => panic!("expected an error reply, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_node_refuses_bad_input_with_typed_errors_and_keeps_serving() {
+    let (nats, _node) = serving_pair().await;
+    let client = nats.connect().await.expect("connect");
+    let subjects = Subjects::new("test").unwrap();
+    let shard = ankusa_bus::shard_of("acme", 16);
+    let subject = subjects.shard(shard);
+
+    let garbage = raw(&client, subject.clone(), b"\xc1\xff not msgpack".to_vec()).await;
+    assert_eq!(error_code(&garbage), ErrorCode::Malformed);
+
+    let mut future = Request::new(
+        100,
+        Op::Reset {
+            tenant: "acme".into(),
+        },
+    );
+    future.v = 99;
+    let reply = raw(&client, subject.clone(), future.encode()).await;
+    assert_eq!(error_code(&reply), ErrorCode::UnsupportedVersion);
+    match reply.body {
+        ReplyBody::Error(err) => assert_eq!(err.supported_versions, Some(vec![1])),
+        _ => unreachable!(),
+    }
+
+    let mut invalid = hit("acme", "k", "h");
+    invalid.charges[0].capacity_us = 1;
+    let reply = raw(
+        &client,
+        subject.clone(),
+        Request::new(100, Op::Hit(invalid)).encode(),
+    )
+    .await;
+    assert_eq!(error_code(&reply), ErrorCode::Invalid);
+
+    let expired = Request::new(0, Op::Hit(hit("acme", "k", "h")));
+    let reply = raw(&client, subject.clone(), expired.encode()).await;
+    assert_eq!(error_code(&reply), ErrorCode::DeadlineExpired);
+
+    let wrong = subjects.shard((shard + 1) % 16);
+    let reply = raw(
+        &client,
+        wrong,
+        Request::new(100, Op::Hit(hit("acme", "k", "h"))).encode(),
+    )
+    .await;
+    assert_eq!(error_code(&reply), ErrorCode::WrongShard);
+
+    let huge = vec![0x90u8; 70 * 1024];
+    let reply = raw(&client, subject.clone(), huge).await;
+    assert_eq!(error_code(&reply), ErrorCode::TooLarge);
+
+    // And it still serves.
+    let ok = raw(
+        &client,
+        subject,
+        Request::new(100, Op::Hit(hit("acme", "k", "h"))).encode(),
+    )
+    .await;
+    assert_eq!(ok.body, ReplyBody::Hit(HitOutcome::Ok));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_down_at_start_then_coming_back() {
+    // A server that is down when the edge starts.
+    let mut nats = NatsServer::start().await.expect("nats-server starts");
+    nats.stop().await.expect("nats-server stops");
+    let url = nats.url();
+    let started = Instant::now();
+    let store = fleet(&url, true).await;
+    assert!(
+        started.elapsed() < Duration::from_millis(200),
+        "connect blocked {:?}",
+        started.elapsed()
+    );
+
+    let edge = Arc::new(Edge::new(store.clone(), EdgeConfig::default()));
+    let started = Instant::now();
+    assert_eq!(
+        store.hit(hit("acme", "k0", "h"), T).await,
+        Err(StoreError::Disconnected)
+    );
+    assert!(
+        started.elapsed() < Duration::from_millis(5),
+        "Disconnected took {:?}",
+        started.elapsed()
+    );
+    let answer = edge
+        .hit(hit("acme", "k1", "h1"), T)
+        .await
+        .expect("a local answer");
+    assert_eq!(answer.outcome, HitOutcome::Ok);
+    assert_eq!(
+        answer.source,
+        Source::Local {
+            reason: LocalReason::Disconnected
+        }
+    );
+    // Local dedupe holds while the fleet is away.
+    let again = edge.hit(hit("acme", "k1", "h2"), T).await.expect("local");
+    assert!(
+        matches!(again.outcome, HitOutcome::Pending { .. }),
+        "{again:?}"
+    );
+
+    // NATS (and a node) come up on that port: the same edge goes back to the fleet.
+    nats.start_again()
+        .await
+        .expect("nats-server starts again on its port");
+    let node = NodeProcess::start(NodeSpec::standalone("late", vec![nats.url()])).expect("node");
+    node.wait_ready(Duration::from_secs(20))
+        .await
+        .expect("node ready");
+    let mut n = 0;
+    let back = wait_until(Duration::from_secs(15), || {
+        n += 1;
+        let edge = edge.clone();
+        let key = format!("back-{n}");
+        async move {
+            matches!(edge.hit(hit("acme", &key, "h"), T).await, Ok(a) if a.source == Source::Fleet)
+        }
+    })
+    .await;
+    assert!(
+        back.is_ok(),
+        "edge never returned to the fleet; stats {:?}",
+        edge.stats()
+    );
+    assert!(edge.stats().fleet_answers >= 1);
+}
