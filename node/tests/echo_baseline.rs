@@ -191,7 +191,8 @@ async fn transport_failures_are_errors_within_the_budget() {
         Err(StoreError::Timeout(budget))
     );
     let took = t0.elapsed();
-    assert!(took < budget + Duration::from_millis(50), "took {took:?}");
+    // Slack for a loaded CI machine; without the bound it would be seconds.
+    assert!(took < budget + Duration::from_millis(100), "took {took:?}");
 }
 
 #[tokio::test]
