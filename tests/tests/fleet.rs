@@ -1,0 +1,346 @@
+//! Fleet mode with real processes: a JetStream nats-server and several
+//! `ankusa-node`s sharing 16 shards through KV leases.
+//!
+//! Balance (joins move only the shards rendezvous hashing assigns to the new
+//! node, leaves hand theirs over), durability of claims across kill -9 and a
+//! nats-server restart, and fencing of a paused (zombie) node.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::{Duration, Instant};
+
+use ankusa_actors::{HitOutcome, SettleOutcome, Settlement};
+use ankusa_bus::kv::FleetKv;
+use ankusa_bus::protocol::{Op, Reply, ReplyBody, Request};
+use ankusa_bus::{shard_of, FleetConfig, FleetStore, NatsOptions, Store, Subjects};
+use ankusa_node::fleet::target_owner;
+use ankusa_tests::requests::{hit, settle};
+use ankusa_tests::{wait_until, NatsServer, NodeProcess, NodeSpec};
+use futures::StreamExt;
+
+const SHARDS: u32 = 16;
+const T: Duration = Duration::from_millis(1000);
+
+fn node(id: &str, nats: &NatsServer) -> NodeProcess {
+    NodeProcess::start(NodeSpec::fleet(id, vec![nats.url()])).expect("node starts")
+}
+
+async fn edge(nats: &NatsServer) -> FleetStore {
+    let mut config = FleetConfig::new(NatsOptions::with_servers([nats.url()]), "test");
+    config.shards = SHARDS;
+    let store = FleetStore::connect(config).await.expect("config");
+    wait_until(Duration::from_secs(5), || async {
+        store.nats().connection_state() == async_nats::connection::State::Connected
+    })
+    .await
+    .expect("edge connects");
+    store
+}
+
+async fn kv(nats: &NatsServer) -> FleetKv {
+    let client = nats.connect().await.expect("connect");
+    FleetKv::open(client, "test", 1).await.expect("kv buckets")
+}
+
+fn targets(nodes: &[&str]) -> HashMap<u32, String> {
+    let live: BTreeSet<String> = nodes.iter().map(|n| n.to_string()).collect();
+    (0..SHARDS)
+        .map(|s| (s, target_owner(&live, s).expect("an owner").to_string()))
+        .collect()
+}
+
+/// Waits until every shard is leased by its rendezvous target among `nodes`.
+async fn wait_balanced(kv: &FleetKv, nodes: &[&str], within: Duration) -> HashMap<u32, String> {
+    let want = targets(nodes);
+    let deadline = Instant::now() + within;
+    loop {
+        let holders = kv.lease_holders().await.unwrap_or_default();
+        if holders == want {
+            return want;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not balanced over {nodes:?} within {within:?}: holders {holders:?}, want {want:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Repeats `call` until it returns `Ok`, for at most `within`; the last result.
+async fn retry_until_ok<T, E, F, Fut>(within: Duration, mut call: F) -> Result<T, E>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        let result = call().await;
+        if result.is_ok() || Instant::now() >= deadline {
+            return result;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A tenant name that lands on `shard`.
+fn tenant_on(shard: u32) -> String {
+    (0..)
+        .map(|i| format!("tenant-{i}"))
+        .find(|t| shard_of(t, SHARDS) == shard)
+        .expect("some tenant hashes to every shard")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn joins_and_leaves_move_only_the_expected_shards() {
+    let nats = NatsServer::start().await.expect("nats");
+    let kv = kv(&nats).await;
+    let a = node("node-a", &nats);
+    let b = node("node-b", &nats);
+    let before = wait_balanced(&kv, &["node-a", "node-b"], Duration::from_secs(20)).await;
+
+    let mut c = node("node-c", &nats);
+    let started = Instant::now();
+    let after = wait_balanced(
+        &kv,
+        &["node-a", "node-b", "node-c"],
+        Duration::from_secs(20),
+    )
+    .await;
+    let moved: Vec<u32> = (0..SHARDS).filter(|s| before[s] != after[s]).collect();
+    assert!(
+        moved.iter().all(|s| after[s] == "node-c"),
+        "only moves to the new node: {moved:?}"
+    );
+    assert!(!moved.is_empty(), "the new node took nothing");
+    println!(
+        "join: {} of {SHARDS} shards moved to node-c in {:?}",
+        moved.len(),
+        started.elapsed()
+    );
+
+    // Every shard answers after the join.
+    let store = edge(&nats).await;
+    for shard in 0..SHARDS {
+        let tenant = tenant_on(shard);
+        assert_eq!(
+            store.hit(hit(&tenant, "after-join", "h"), T).await,
+            Ok(HitOutcome::Ok),
+            "shard {shard}"
+        );
+    }
+
+    // A graceful leave hands node-c's shards back to their old owners.
+    let started = Instant::now();
+    c.stop().await.expect("SIGTERM exits");
+    let back = wait_balanced(&kv, &["node-a", "node-b"], Duration::from_secs(10)).await;
+    assert_eq!(back, before);
+    println!(
+        "leave: shards back on node-a/node-b in {:?}",
+        started.elapsed()
+    );
+    drop((a, b));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_survive_kill_9_of_their_owner() {
+    let nats = NatsServer::start().await.expect("nats");
+    let kv = kv(&nats).await;
+    let mut nodes = vec![
+        node("node-a", &nats),
+        node("node-b", &nats),
+        node("node-c", &nats),
+    ];
+    let owners = wait_balanced(
+        &kv,
+        &["node-a", "node-b", "node-c"],
+        Duration::from_secs(20),
+    )
+    .await;
+    let store = edge(&nats).await;
+
+    // Three claims on one shard: committed, pending, released.
+    let shard = 3;
+    let tenant = tenant_on(shard);
+    let victim = owners[&shard].clone();
+    assert_eq!(
+        store.hit(hit(&tenant, "committed", "h1"), T).await,
+        Ok(HitOutcome::Ok)
+    );
+    assert_eq!(
+        store
+            .settle(settle(&tenant, "committed", "h1", Settlement::Commit), T)
+            .await,
+        Ok(SettleOutcome::Ok)
+    );
+    assert_eq!(
+        store.hit(hit(&tenant, "pending", "h2"), T).await,
+        Ok(HitOutcome::Ok)
+    );
+    assert_eq!(
+        store.hit(hit(&tenant, "released", "h3"), T).await,
+        Ok(HitOutcome::Ok)
+    );
+    assert_eq!(
+        store
+            .settle(settle(&tenant, "released", "h3", Settlement::Release), T)
+            .await,
+        Ok(SettleOutcome::Ok)
+    );
+
+    let index = nodes
+        .iter()
+        .position(|n| n.spec.node_id == victim)
+        .expect("victim runs");
+    let killed_at = Instant::now();
+    nodes[index].kill().await.expect("kill -9");
+
+    // The shard serves again within lease TTL + 1 s, from another node.
+    let lease_ttl = Duration::from_millis(nodes[0].spec.lease_ttl_ms);
+    let first = retry_until_ok(lease_ttl + Duration::from_secs(6), || {
+        store.hit(hit(&tenant, "committed", "h9"), Duration::from_millis(200))
+    })
+    .await;
+    let recovered = killed_at.elapsed();
+    assert!(first.is_ok(), "shard {shard} never served again: {first:?}");
+    assert!(
+        recovered <= lease_ttl + Duration::from_millis(1500),
+        "shard {shard} took {recovered:?} to serve again (lease TTL {lease_ttl:?})"
+    );
+    println!("kill -9 of {victim}: shard {shard} served again after {recovered:?}");
+
+    assert_eq!(
+        first,
+        Ok(HitOutcome::Duplicate {
+            hook_id: "h1".into()
+        })
+    );
+    match store.hit(hit(&tenant, "pending", "h8"), T).await {
+        Ok(HitOutcome::Pending { retry_after_ms }) => assert!(retry_after_ms >= 1),
+        other => panic!("pending claim after failover: {other:?}"),
+    }
+    assert_eq!(
+        store.hit(hit(&tenant, "released", "h7"), T).await,
+        Ok(HitOutcome::Ok)
+    );
+    // The pending claim's owner can still commit it on the new owner.
+    assert_eq!(
+        store
+            .settle(settle(&tenant, "pending", "h2", Settlement::Commit), T)
+            .await,
+        Ok(SettleOutcome::Ok)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_node_does_not_answer_for_a_shard_that_moved() {
+    let nats = NatsServer::start().await.expect("nats");
+    let kv = kv(&nats).await;
+    let mut nodes = vec![node("node-a", &nats), node("node-b", &nats)];
+    let owners = wait_balanced(&kv, &["node-a", "node-b"], Duration::from_secs(20)).await;
+    let store = edge(&nats).await;
+    let shard = 5;
+    let tenant = tenant_on(shard);
+    let zombie_id = owners[&shard].clone();
+    let survivor_id = if zombie_id == "node-a" {
+        "node-b"
+    } else {
+        "node-a"
+    };
+    let zombie = nodes
+        .iter()
+        .position(|n| n.spec.node_id == zombie_id)
+        .expect("runs");
+    assert_eq!(
+        store.hit(hit(&tenant, "before", "h"), T).await,
+        Ok(HitOutcome::Ok)
+    );
+
+    nodes[zombie].pause().expect("SIGSTOP");
+    // The survivor takes every shard once the zombie's leases lapse.
+    wait_balanced(&kv, &[survivor_id], Duration::from_secs(15)).await;
+
+    // Requests sent now reach both subscribers: the survivor answers; the
+    // zombie only reads them when it wakes.
+    let client = nats.connect().await.expect("connect");
+    let subject = Subjects::new("test").unwrap().shard(shard);
+    let inbox = client.new_inbox();
+    let mut replies = client.subscribe(inbox.clone()).await.expect("inbox");
+    let sent = 20;
+    for i in 0..sent {
+        let req = Request::new(5_000, Op::Hit(hit(&tenant, &format!("z{i}"), "h")));
+        client
+            .publish_with_reply(subject.clone(), inbox.clone(), req.encode().into())
+            .await
+            .expect("publish");
+    }
+    client.flush().await.expect("flush");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    nodes[zombie].resume().expect("SIGCONT");
+
+    // Collect every reply for a while after the zombie woke up.
+    let mut answers = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    while let Ok(Some(message)) = tokio::time::timeout_at(deadline, replies.next()).await {
+        answers.push(Reply::decode(&message.payload).expect("reply"));
+    }
+    assert_eq!(
+        answers.len(),
+        sent,
+        "one answer per request, none from the zombie: {answers:?}"
+    );
+    assert!(
+        answers
+            .iter()
+            .all(|r| r.body == ReplyBody::Hit(HitOutcome::Ok)),
+        "{answers:?}"
+    );
+    let dropped = nodes[zombie].metric("ankusa_requests_dropped_total").await;
+    assert!(
+        dropped.unwrap_or(0.0) >= 1.0,
+        "zombie dropped nothing: {dropped:?}"
+    );
+
+    // And the fleet rebalances with the zombie back.
+    wait_balanced(&kv, &["node-a", "node-b"], Duration::from_secs(15)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_server_restart_keeps_every_committed_claim() {
+    let mut nats = NatsServer::start().await.expect("nats");
+    let kv_before = kv(&nats).await;
+    let _nodes = [node("node-a", &nats), node("node-b", &nats)];
+    wait_balanced(&kv_before, &["node-a", "node-b"], Duration::from_secs(20)).await;
+    let store = edge(&nats).await;
+    let keys: Vec<(String, String)> = (0..SHARDS)
+        .map(|s| (tenant_on(s), format!("restart-{s}")))
+        .collect();
+    for (tenant, key) in &keys {
+        assert_eq!(
+            store.hit(hit(tenant, key, "h1"), T).await,
+            Ok(HitOutcome::Ok)
+        );
+        assert_eq!(
+            store
+                .settle(settle(tenant, key, "h1", Settlement::Commit), T)
+                .await,
+            Ok(SettleOutcome::Ok)
+        );
+    }
+
+    nats.stop().await.expect("nats stops");
+    nats.start_again()
+        .await
+        .expect("nats starts with its store dir");
+    for (tenant, key) in &keys {
+        let last = retry_until_ok(Duration::from_secs(15), || {
+            store.hit(hit(tenant, key, "h2"), Duration::from_millis(300))
+        })
+        .await;
+        assert_eq!(
+            last,
+            Ok(HitOutcome::Duplicate {
+                hook_id: "h1".into()
+            }),
+            "{tenant}/{key}"
+        );
+    }
+}
