@@ -7,6 +7,10 @@ cd "$(dirname "$0")/.."
 NATS_SERVER_BIN=$(scripts/ensure-nats.sh)
 export NATS_SERVER_BIN
 echo "test: using $NATS_SERVER_BIN ($("$NATS_SERVER_BIN" --version))"
+# The Redis + Lua baseline of the benchmarks has its own tests.
+REDIS_SERVER_BIN=$(scripts/ensure-redis.sh)
+export REDIS_SERVER_BIN
+echo "test: using $REDIS_SERVER_BIN ($("$REDIS_SERVER_BIN" --version | head -1))"
 
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
