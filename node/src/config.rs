@@ -132,6 +132,18 @@ pub struct Overrides {
     /// CA certificate (PEM) to verify the NATS server
     #[arg(long, env = "ANKUSA_NATS_TLS_CA")]
     pub nats_tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM), with --nats-tls-key, for servers that verify clients
+    #[arg(long, env = "ANKUSA_NATS_TLS_CERT")]
+    pub nats_tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --nats-tls-cert
+    #[arg(long, env = "ANKUSA_NATS_TLS_KEY")]
+    pub nats_tls_key: Option<PathBuf>,
+    /// Refuse a NATS connection that is not TLS
+    #[arg(long, env = "ANKUSA_NATS_REQUIRE_TLS")]
+    pub nats_require_tls: Option<bool>,
+    /// NATS nkey seed (`SU...`) to authenticate with
+    #[arg(long, env = "ANKUSA_NATS_NKEY_SEED", hide_env_values = true)]
+    pub nats_nkey_seed: Option<String>,
     /// KV bucket replicas (3 on a 3-server cluster) [default: 1]
     #[arg(long, env = "ANKUSA_KV_REPLICAS")]
     pub kv_replicas: Option<usize>,
@@ -233,6 +245,16 @@ impl NodeConfig {
         }
         if o.nats_tls_ca.is_some() {
             self.nats.tls_ca = o.nats_tls_ca.clone();
+        }
+        if o.nats_tls_cert.is_some() {
+            self.nats.tls_cert = o.nats_tls_cert.clone();
+        }
+        if o.nats_tls_key.is_some() {
+            self.nats.tls_key = o.nats_tls_key.clone();
+        }
+        set(&mut self.nats.require_tls, &o.nats_require_tls);
+        if o.nats_nkey_seed.is_some() {
+            self.nats.nkey_seed = o.nats_nkey_seed.clone();
         }
         set(&mut self.kv_replicas, &o.kv_replicas);
         set(&mut self.lease_ttl_ms, &o.lease_ttl_ms);
