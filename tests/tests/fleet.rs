@@ -144,7 +144,7 @@ async fn joins_and_leaves_move_only_the_expected_shards() {
 async fn claims_survive_kill_9_of_their_owner() {
     let nats = NatsServer::start().await.expect("nats");
     let kv = kv(&nats).await;
-    let mut nodes = vec![
+    let mut nodes = [
         node("node-a", &nats),
         node("node-b", &nats),
         node("node-c", &nats),
@@ -234,7 +234,7 @@ async fn claims_survive_kill_9_of_their_owner() {
 async fn a_paused_node_does_not_answer_for_a_shard_that_moved() {
     let nats = NatsServer::start().await.expect("nats");
     let kv = kv(&nats).await;
-    let mut nodes = vec![node("node-a", &nats), node("node-b", &nats)];
+    let mut nodes = [node("node-a", &nats), node("node-b", &nats)];
     let owners = wait_balanced(&kv, &["node-a", "node-b"], Duration::from_secs(20)).await;
     let store = edge(&nats).await;
     let shard = 5;
