@@ -12,8 +12,10 @@
 //! - [`requests`]: builders for the contract's requests.
 //! - [`ports`]: free loopback ports that are not handed out twice per test process.
 
+pub mod checker;
 pub mod error;
 pub mod fleet;
+pub mod history;
 pub mod nats;
 pub mod ports;
 pub mod process;
