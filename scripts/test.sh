@@ -14,5 +14,5 @@ echo "test: using $REDIS_SERVER_BIN ($("$REDIS_SERVER_BIN" --version | head -1))
 
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
-cargo test --workspace --locked --all-targets
+cargo test --workspace --locked --all-targets --no-fail-fast
 cargo test --workspace --locked --doc

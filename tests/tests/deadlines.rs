@@ -21,11 +21,11 @@ async fn a_paused_node_costs_each_call_its_timeout_and_no_more() {
 
     let timeout = Duration::from_millis(10);
     let slack = Duration::from_millis(5);
-    let streams = (0..4).map(|s| {
+    let streams = (0..2).map(|s| {
         let store = store.clone();
         async move {
             let mut worst = Duration::ZERO;
-            for i in 0..250 {
+            for i in 0..500 {
                 let started = Instant::now();
                 let result = store
                     .hit(hit("acme", &format!("p{s}-{i}"), "h"), timeout)
