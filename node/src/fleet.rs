@@ -73,6 +73,8 @@ struct Fleet {
     live: BTreeSet<String>,
     health: Arc<Health>,
     started_ms: u64,
+    /// When the held leases were last renewed.
+    last_renew: Instant,
 }
 
 /// Pause between attempts to take a shard that is still held elsewhere.
@@ -123,6 +125,7 @@ impl Fleet {
     }
 
     async fn renew(&mut self) {
+        self.last_renew = Instant::now();
         let ttl = self.config.lease_ttl();
         let mut lost = Vec::new();
         for (&shard, held) in self.held.iter_mut() {
@@ -186,6 +189,11 @@ impl Fleet {
         for shard in self.targets() {
             if self.held.contains_key(&shard) {
                 continue;
+            }
+            // Loading shards can take a while; the leases already held must not
+            // lapse meanwhile.
+            if self.last_renew.elapsed() >= Duration::from_millis(self.config.lease_renew_ms) {
+                self.renew().await;
             }
             let sent = Instant::now();
             let revision = match self
@@ -339,6 +347,7 @@ pub async fn run(
     let renew_every = Duration::from_millis(config.lease_renew_ms);
     let mut fleet = Fleet {
         started_ms: ankusa_bus::kv::now_unix_ms(),
+        last_renew: Instant::now(),
         config,
         kv,
         writer,

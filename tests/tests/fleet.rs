@@ -133,6 +133,11 @@ async fn joins_and_leaves_move_only_the_expected_shards() {
     c.stop().await.expect("SIGTERM exits");
     let back = wait_balanced(&kv, &["node-a", "node-b"], Duration::from_secs(10)).await;
     assert_eq!(back, before);
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "graceful handoff took {:?}",
+        started.elapsed()
+    );
     println!(
         "leave: shards back on node-a/node-b in {:?}",
         started.elapsed()
