@@ -1,1 +1,34 @@
-fn main() {}
+//! `ankusa`: the CLI of an ankusa-fleet instance (see [`ankusa_node::cli`]).
+
+use std::process::ExitCode;
+
+use ankusa_node::cli::{run, Cli};
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // Logs only when asked for (RUST_LOG): the output is for people.
+    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_default_env() {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .init();
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(err) => {
+            eprintln!("ankusa: cannot start the runtime: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("ankusa: error: {err}");
+            ExitCode::from(err.exit_code())
+        }
+    }
+}

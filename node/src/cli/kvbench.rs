@@ -1,0 +1,319 @@
+//! `ankusa bench durable` and `ankusa bench recovery`: what persistence costs.
+//!
+//! - *durable*: claims made durable per second through the node's group-commit
+//!   writer ([`KvWriter`], many writes published back to back, acks awaited
+//!   together) against one `kv.put` awaited after another, into the same bucket.
+//!   Target: group commit ≥ 10× sequential puts.
+//! - *recovery*: 100,000 claims of one shard written through [`KvWriter`], then
+//!   [`FleetKv::load_shard`] timed — what a node taking the shard over waits
+//!   before it serves. Target: < 2 s.
+//!
+//! Both use a scratch instance of their own (`benchkv_<pid>`), never the
+//! fleet's buckets, and delete its buckets at the end.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ankusa_actors::{Changes, ClaimChange, ClaimRecord};
+use ankusa_bus::kv::{claim_key, now_unix_ms, FleetKv, KvWriter, StoredClaim};
+use clap::Args;
+use futures::StreamExt;
+use serde::Serialize;
+
+use super::{CliError, Global};
+
+#[derive(Debug, Clone, Args)]
+pub struct DurableArgs {
+    /// Claims written through the group-commit writer
+    #[arg(long, default_value_t = 50_000)]
+    pub count: u64,
+    /// Claims submitted to the writer at once
+    #[arg(long, default_value_t = 2048)]
+    pub concurrency: usize,
+    /// Longest the sequential puts run, seconds
+    #[arg(long, default_value_t = 5.0)]
+    pub sequential_s: f64,
+    /// Most sequential puts
+    #[arg(long, default_value_t = 20_000)]
+    pub sequential_max: u64,
+    /// Write the figures as JSON to this file
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct RecoveryArgs {
+    /// Claims of the shard to write and load back
+    #[arg(long, default_value_t = 100_000)]
+    pub claims: u64,
+    /// Tenants they belong to
+    #[arg(long, default_value_t = 1000)]
+    pub tenants: u64,
+    /// Claims submitted to the writer at once
+    #[arg(long, default_value_t = 2048)]
+    pub concurrency: usize,
+    /// Write the figures as JSON to this file
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+}
+
+/// A scratch set of buckets, deleted on [`Scratch::remove`].
+struct Scratch {
+    client: async_nats::Client,
+    instance: String,
+    kv: FleetKv,
+}
+
+impl Scratch {
+    async fn open(global: &Global, what: &str) -> Result<Self, CliError> {
+        let client = global.nats_client(Duration::from_secs(5)).await?;
+        let instance = format!("bench{what}_{}", std::process::id());
+        // A leftover of a killed run would skew the figures.
+        delete_buckets(&client, &instance).await;
+        let kv = FleetKv::open(client.clone(), &instance, 1).await?;
+        Ok(Self {
+            client,
+            instance,
+            kv,
+        })
+    }
+
+    fn state_bucket(&self) -> String {
+        format!("ankusa_{}_state", self.instance)
+    }
+
+    async fn remove(self) {
+        delete_buckets(&self.client, &self.instance).await;
+    }
+}
+
+async fn delete_buckets(client: &async_nats::Client, instance: &str) {
+    let js = async_nats::jetstream::new(client.clone());
+    for suffix in ["state", "leases", "nodes"] {
+        let _ = js
+            .delete_key_value(format!("ankusa_{instance}_{suffix}"))
+            .await;
+    }
+}
+
+fn committed(i: u64, expires_us: u64) -> ClaimRecord {
+    ClaimRecord {
+        source_id: "bench".into(),
+        key: format!("evt-{i:010}"),
+        hook_id: format!("hook-{i:010}"),
+        node: None,
+        committed: true,
+        expires_us,
+    }
+}
+
+/// Writes `count` claims of `shard` through `writer`, `concurrency` at a time.
+/// Returns (written, failed, elapsed).
+async fn write_claims(
+    writer: &Arc<KvWriter>,
+    shard: u32,
+    count: u64,
+    tenants: u64,
+    concurrency: usize,
+) -> (u64, u64, Duration) {
+    let expires_us = (now_unix_ms() + 600_000) * 1000;
+    let start = Instant::now();
+    let results: Vec<bool> = futures::stream::iter(0..count)
+        .map(|i| {
+            let writer = Arc::clone(writer);
+            async move {
+                let tenant = format!("t{}", i % tenants.max(1));
+                let changes = Changes {
+                    claim: Some(ClaimChange::Put(committed(i, expires_us))),
+                    buckets: Vec::new(),
+                };
+                writer.record(shard, &tenant, &changes).await.is_ok()
+            }
+        })
+        .buffer_unordered(concurrency.max(1))
+        .collect()
+        .await;
+    let elapsed = start.elapsed();
+    let ok = results.iter().filter(|r| **r).count() as u64;
+    (ok, count - ok, elapsed)
+}
+
+#[derive(Debug, Serialize)]
+struct DurableReport {
+    group_commit_claims: u64,
+    group_commit_failed: u64,
+    group_commit_s: f64,
+    group_commit_per_sec: f64,
+    sequential_puts: u64,
+    sequential_s: f64,
+    sequential_per_sec: f64,
+    sequential_p50_us: u64,
+    ratio: f64,
+    target_met: bool,
+}
+
+pub async fn durable(global: &Global, args: &DurableArgs) -> Result<(), CliError> {
+    let scratch = Scratch::open(global, "durable").await?;
+    let result = durable_in(&scratch, args).await;
+    scratch.remove().await;
+    let report = result?;
+    println!(
+        "durable claims, group commit (KvWriter, {} at once): {} in {:.2} s = {:.0} claims/s ({} failed)",
+        args.concurrency,
+        report.group_commit_claims,
+        report.group_commit_s,
+        report.group_commit_per_sec,
+        report.group_commit_failed
+    );
+    println!(
+        "durable claims, sequential kv.put: {} in {:.2} s = {:.0} puts/s (p50 {} µs)",
+        report.sequential_puts,
+        report.sequential_s,
+        report.sequential_per_sec,
+        report.sequential_p50_us
+    );
+    println!(
+        "ratio group commit / sequential: {:.1}x (target >= 10x: {})",
+        report.ratio,
+        if report.target_met { "met" } else { "MISSED" }
+    );
+    if let Some(path) = &args.json {
+        std::fs::write(
+            path,
+            serde_json::to_string_pretty(&report).unwrap_or_default(),
+        )
+        .map_err(|source| CliError::Write {
+            path: path.clone(),
+            source,
+        })?;
+    }
+    Ok(())
+}
+
+async fn durable_in(scratch: &Scratch, args: &DurableArgs) -> Result<DurableReport, CliError> {
+    let writer = KvWriter::start(scratch.kv.clone(), Duration::from_millis(100));
+    // Warm-up: the first publishes open the stream's files.
+    let _ = write_claims(&writer, 1, 1000, 100, args.concurrency).await;
+    let (ok, failed, elapsed) = write_claims(&writer, 0, args.count, 1000, args.concurrency).await;
+    drop(writer);
+
+    let js = async_nats::jetstream::new(scratch.client.clone());
+    let store = js
+        .get_key_value(scratch.state_bucket())
+        .await
+        .map_err(|e| CliError::Other(format!("opening the state bucket: {e}")))?;
+    let expires_us = (now_unix_ms() + 600_000) * 1000;
+    let limit = Duration::from_secs_f64(args.sequential_s.clamp(0.1, 600.0));
+    let mut latencies = Vec::new();
+    let start = Instant::now();
+    let mut puts = 0u64;
+    while puts < args.sequential_max && start.elapsed() < limit {
+        let i = 10_000_000 + puts;
+        let record = committed(i, expires_us);
+        let key = claim_key(0, "seq", &record.source_id, &record.key);
+        let value = rmp_serde::to_vec_named(&StoredClaim {
+            tenant: "seq".into(),
+            claim: record,
+        })
+        .unwrap_or_default();
+        let sent = Instant::now();
+        store
+            .put(key, value.into())
+            .await
+            .map_err(|e| CliError::Other(format!("kv.put: {e}")))?;
+        latencies.push(sent.elapsed());
+        puts += 1;
+    }
+    let seq_elapsed = start.elapsed();
+    latencies.sort_unstable();
+    let p50 = latencies
+        .get(latencies.len() / 2)
+        .map_or(0, |d| d.as_micros() as u64);
+    let group_rate = ok as f64 / elapsed.as_secs_f64().max(1e-9);
+    let seq_rate = puts as f64 / seq_elapsed.as_secs_f64().max(1e-9);
+    let ratio = group_rate / seq_rate.max(1e-9);
+    Ok(DurableReport {
+        group_commit_claims: ok,
+        group_commit_failed: failed,
+        group_commit_s: elapsed.as_secs_f64(),
+        group_commit_per_sec: group_rate,
+        sequential_puts: puts,
+        sequential_s: seq_elapsed.as_secs_f64(),
+        sequential_per_sec: seq_rate,
+        sequential_p50_us: p50,
+        ratio,
+        target_met: ratio >= 10.0,
+    })
+}
+
+#[derive(Debug, Serialize)]
+struct RecoveryReport {
+    written: u64,
+    write_failed: u64,
+    write_s: f64,
+    loaded_tenants: usize,
+    loaded_claims: usize,
+    load_s: f64,
+    second_load_s: f64,
+    target_met: bool,
+}
+
+pub async fn recovery(global: &Global, args: &RecoveryArgs) -> Result<(), CliError> {
+    let scratch = Scratch::open(global, "recovery").await?;
+    let result = recovery_in(&scratch, args).await;
+    scratch.remove().await;
+    let r = result?;
+    println!(
+        "recovery: wrote {} claims of shard 0 over {} tenants in {:.2} s ({} failed)",
+        r.written, args.tenants, r.write_s, r.write_failed
+    );
+    println!(
+        "recovery: load_shard(0) read {} claims of {} tenants in {:.3} s (again: {:.3} s); target < 2 s: {}",
+        r.loaded_claims,
+        r.loaded_tenants,
+        r.load_s,
+        r.second_load_s,
+        if r.target_met { "met" } else { "MISSED" }
+    );
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&r).unwrap_or_default()).map_err(
+            |source| CliError::Write {
+                path: path.clone(),
+                source,
+            },
+        )?;
+    }
+    Ok(())
+}
+
+async fn recovery_in(scratch: &Scratch, args: &RecoveryArgs) -> Result<RecoveryReport, CliError> {
+    let writer = KvWriter::start(scratch.kv.clone(), Duration::from_millis(100));
+    // Another shard's records in the same bucket, which the load must skip, as
+    // it does in a real instance.
+    let _ = write_claims(&writer, 1, args.claims / 10, args.tenants, args.concurrency).await;
+    let (ok, failed, write_elapsed) =
+        write_claims(&writer, 0, args.claims, args.tenants, args.concurrency).await;
+    drop(writer);
+    let start = Instant::now();
+    let loaded = scratch.kv.load_shard(0).await?;
+    let load = start.elapsed();
+    let start = Instant::now();
+    let again = scratch.kv.load_shard(0).await?;
+    let second = start.elapsed();
+    let claims: usize = loaded.iter().map(|t| t.claims.len()).sum();
+    if again.iter().map(|t| t.claims.len()).sum::<usize>() != claims {
+        return Err(CliError::Other(
+            "two loads of the same shard disagree".into(),
+        ));
+    }
+    Ok(RecoveryReport {
+        written: ok,
+        write_failed: failed,
+        write_s: write_elapsed.as_secs_f64(),
+        loaded_tenants: loaded.len(),
+        loaded_claims: claims,
+        load_s: load.as_secs_f64(),
+        second_load_s: second.as_secs_f64(),
+        target_met: load < Duration::from_secs(2) && claims as u64 == ok,
+    })
+}

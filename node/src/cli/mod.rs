@@ -1,0 +1,236 @@
+//! The `ankusa` CLI for people at a terminal: one call at a time (`hit`,
+//! `settle`, `reset`), a look at the fleet (`status`) and the load generator
+//! (`bench`, with its baselines and the durable, recovery and memory figures).
+//!
+//! - [`calls`]: `hit`, `settle`, `reset` through the edge client;
+//! - [`status`]: nodes, the shard map and per-node gauges, from KV and `/metrics`;
+//! - [`bench`]: the workload against the fleet, side by side with the baselines;
+//! - [`kvbench`]: durable claims (group commit vs sequential puts) and recovery;
+//! - [`memory`]: node RSS per committed claim and per idle tenant.
+//!
+//! Every subcommand is bounded: single calls by `--timeout-ms`, benches by their
+//! duration and hit count. Exit codes: 0 for an answer (whatever it says), 1 for
+//! a call or run that failed, 2 for bad arguments.
+
+pub mod bench;
+pub mod calls;
+pub mod kvbench;
+pub mod memory;
+pub mod status;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use ankusa_bus::client::ClientConfigError;
+use ankusa_bus::kv::KvError;
+use ankusa_bus::{FleetConfig, FleetStore, NatsOptions, StoreError};
+use clap::{Args, Parser, Subcommand};
+
+/// Talk to an ankusa-fleet instance: single calls, its status, and benchmarks.
+///
+/// Every option of the connection also reads an ANKUSA_* variable, as the
+/// node's do, so the same environment serves both.
+#[derive(Debug, Parser)]
+#[command(name = "ankusa", version, about, long_about)]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: Global,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// How to reach the instance; shared by every subcommand.
+#[derive(Debug, Clone, Args)]
+pub struct Global {
+    /// NATS server URL(s), comma-separated for a cluster
+    #[arg(
+        long = "nats",
+        env = "ANKUSA_NATS",
+        value_delimiter = ',',
+        default_value = "nats://127.0.0.1:4222",
+        global = true
+    )]
+    pub nats: Vec<String>,
+    /// Fleet instance name
+    #[arg(
+        long,
+        env = "ANKUSA_INSTANCE",
+        default_value = "default",
+        global = true
+    )]
+    pub instance: String,
+    /// Shards of the instance; must match the nodes'
+    #[arg(long, env = "ANKUSA_SHARDS", default_value_t = 64, global = true)]
+    pub shards: u32,
+    /// Budget of each call, ms [default: 1000 for single calls, 250 per bench call]
+    #[arg(long, env = "ANKUSA_TIMEOUT_MS", global = true)]
+    pub timeout_ms: Option<u64>,
+    /// NATS user (with --nats-password)
+    #[arg(long, env = "ANKUSA_NATS_USER", global = true)]
+    pub nats_user: Option<String>,
+    /// NATS password
+    #[arg(
+        long,
+        env = "ANKUSA_NATS_PASSWORD",
+        hide_env_values = true,
+        global = true
+    )]
+    pub nats_password: Option<String>,
+    /// NATS token
+    #[arg(long, env = "ANKUSA_NATS_TOKEN", hide_env_values = true, global = true)]
+    pub nats_token: Option<String>,
+    /// NATS credentials file (.creds)
+    #[arg(long, env = "ANKUSA_NATS_CREDS", global = true)]
+    pub nats_creds: Option<PathBuf>,
+    /// CA certificate (PEM) to verify the NATS server
+    #[arg(long, env = "ANKUSA_NATS_TLS_CA", global = true)]
+    pub nats_tls_ca: Option<PathBuf>,
+}
+
+impl Global {
+    pub fn nats_options(&self) -> NatsOptions {
+        NatsOptions {
+            servers: self.nats.clone(),
+            name: Some(format!("ankusa-cli {}", std::process::id())),
+            user: self.nats_user.clone(),
+            password: self.nats_password.clone(),
+            token: self.nats_token.clone(),
+            creds_file: self.nats_creds.clone(),
+            tls_ca: self.nats_tls_ca.clone(),
+            ..NatsOptions::default()
+        }
+    }
+
+    /// The budget of a call, or `default` when none was given.
+    pub fn timeout(&self, default: Duration) -> Duration {
+        self.timeout_ms.map_or(default, Duration::from_millis)
+    }
+
+    pub fn fleet_config(&self, batching: bool) -> FleetConfig {
+        FleetConfig {
+            shards: self.shards,
+            batching,
+            ..FleetConfig::new(self.nats_options(), self.instance.clone())
+        }
+    }
+
+    /// An edge client, connected (or connecting in the background).
+    pub async fn fleet(&self, batching: bool) -> Result<FleetStore, CliError> {
+        Ok(FleetStore::connect(self.fleet_config(batching)).await?)
+    }
+
+    /// A raw NATS client; waits up to `wait` for the connection so a CLI
+    /// command fails with a clear message rather than a `Disconnected` later.
+    pub async fn nats_client(&self, wait: Duration) -> Result<async_nats::Client, CliError> {
+        let client = self.nats_options().connect().await?;
+        wait_connected(&client, wait).await?;
+        Ok(client)
+    }
+}
+
+/// Waits until `client` is connected, at most `wait`.
+pub async fn wait_connected(client: &async_nats::Client, wait: Duration) -> Result<(), CliError> {
+    let start = tokio::time::Instant::now();
+    while client.connection_state() != async_nats::connection::State::Connected {
+        if start.elapsed() >= wait {
+            return Err(CliError::NotConnected(wait));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Ok(())
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Charge a tenant's buckets and (optionally) claim a webhook key: one call
+    Hit(calls::HitArgs),
+    /// Commit or release a claim made by `hit`
+    Settle(calls::SettleArgs),
+    /// Forget a tenant's buckets (best effort)
+    Reset(calls::ResetArgs),
+    /// Nodes, the shard map (who owns what) and each node's gauges
+    Status(status::StatusArgs),
+    /// Load generator: the fleet alone, or side by side with the baselines
+    Bench(bench::BenchArgs),
+}
+
+/// Why a command failed (exit code 1), as opposed to an answer (exit code 0).
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error(transparent)]
+    Config(#[from] ClientConfigError),
+    #[error(transparent)]
+    Connect(#[from] ankusa_bus::ConnectError),
+    #[error("not connected to NATS within {0:?}")]
+    NotConnected(Duration),
+    #[error("{message} (code {code})")]
+    Store { code: String, message: String },
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    #[error("invalid argument: {0}")]
+    Usage(String),
+    #[error(transparent)]
+    Workload(#[from] crate::bench::workload::WorkloadError),
+    #[error("{0}")]
+    Baseline(String),
+    #[error("writing {path}: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Other(String),
+}
+
+impl CliError {
+    /// The exit code: 2 for a usage mistake, 1 for everything else.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            CliError::Usage(_) | CliError::Config(_) => 2,
+            _ => 1,
+        }
+    }
+}
+
+impl From<StoreError> for CliError {
+    fn from(err: StoreError) -> Self {
+        let code = match &err {
+            StoreError::Refused(reply) => reply.code.to_string(),
+            other => crate::bench::workload::error_kind(other),
+        };
+        CliError::Store {
+            code,
+            message: err.to_string(),
+        }
+    }
+}
+
+/// Runs one parsed command line.
+pub async fn run(cli: Cli) -> Result<(), CliError> {
+    match cli.command {
+        Command::Hit(args) => calls::hit(&cli.global, args).await,
+        Command::Settle(args) => calls::settle(&cli.global, args).await,
+        Command::Reset(args) => calls::reset(&cli.global, args).await,
+        Command::Status(args) => status::status(&cli.global, args).await,
+        Command::Bench(args) => bench::bench(&cli.global, args).await,
+    }
+}
+
+/// Latency for people: µs below 1 ms, ms with one decimal above.
+pub fn fmt_latency(d: Duration) -> String {
+    let us = d.as_micros();
+    if us < 1000 {
+        format!("{us} µs")
+    } else {
+        format!("{:.1} ms", us as f64 / 1000.0)
+    }
+}
+
+/// A retry delay for people: ms below 10 s, whole seconds above.
+pub fn fmt_retry(ms: u64) -> String {
+    if ms < 10_000 {
+        format!("{ms} ms")
+    } else {
+        format!("{} s", ms.div_ceil(1000))
+    }
+}

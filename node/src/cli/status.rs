@@ -1,0 +1,279 @@
+//! `ankusa status`: what the instance's KV says (live nodes from their
+//! heartbeats, the shard map from the leases) and, per node whose HTTP address
+//! is known and reachable, the gauges of its `/metrics`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use ankusa_bus::kv::{FleetKv, Heartbeat};
+use clap::Args;
+use serde::Serialize;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::{CliError, Global};
+
+#[derive(Debug, Clone, Args)]
+pub struct StatusArgs {
+    /// Print the status as JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The gauges `status` shows per node (absent when the node was not reachable).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct NodeGauges {
+    pub shards_owned: Option<f64>,
+    pub tenants_active: Option<f64>,
+    pub tenants_parked: Option<f64>,
+    pub claims: Option<f64>,
+    /// KV writes published and not yet acknowledged: the persistence lag.
+    pub kv_writes_in_flight: Option<f64>,
+    pub nats_connected: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct NodeStatus {
+    pub node: String,
+    pub http: Option<String>,
+    pub started_ms: u64,
+    /// Shards whose lease this node holds.
+    pub shards: Vec<u32>,
+    /// Why the gauges are missing, if they are.
+    pub metrics_error: Option<String>,
+    pub gauges: NodeGauges,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FleetStatus {
+    pub instance: String,
+    pub shards: u32,
+    pub nodes: Vec<NodeStatus>,
+    /// Shards with no lease: no node serves them now.
+    pub unowned: Vec<u32>,
+    /// Shards leased by a node with no live heartbeat (leaving, or stuck).
+    pub held_by_unknown: BTreeMap<String, Vec<u32>>,
+}
+
+/// `1-3,7,9-10`: a shard list people can read.
+pub fn ranges(shards: &[u32]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut iter = shards.iter().copied().peekable();
+    while let Some(start) = iter.next() {
+        let mut end = start;
+        while iter.peek() == Some(&(end + 1)) {
+            end += 1;
+            iter.next();
+        }
+        out.push(if start == end {
+            start.to_string()
+        } else {
+            format!("{start}-{end}")
+        });
+    }
+    if out.is_empty() {
+        "-".into()
+    } else {
+        out.join(",")
+    }
+}
+
+/// A bare HTTP/1.0 GET on loopback-style `host:port`, bounded by `timeout`.
+pub async fn http_get(addr: &str, path: &str, timeout: Duration) -> Result<String, String> {
+    let work = async {
+        let mut stream = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| format!("connect {addr}: {e}"))?;
+        let request = format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        stream
+            .write_all(request.as_bytes())
+            .await
+            .map_err(|e| format!("send to {addr}: {e}"))?;
+        let mut body = Vec::new();
+        stream
+            .read_to_end(&mut body)
+            .await
+            .map_err(|e| format!("read from {addr}: {e}"))?;
+        let text = String::from_utf8_lossy(&body).into_owned();
+        match text.split_once("\r\n\r\n") {
+            Some((head, body)) if head.starts_with("HTTP/1.") && head.contains(" 200") => {
+                Ok(body.to_string())
+            }
+            Some((head, _)) => Err(format!(
+                "{addr}{path}: {}",
+                head.lines().next().unwrap_or_default()
+            )),
+            None => Err(format!("{addr}{path}: not an HTTP answer")),
+        }
+    };
+    tokio::time::timeout(timeout, work)
+        .await
+        .unwrap_or_else(|_| Err(format!("{addr}: no answer within {timeout:?}")))
+}
+
+/// The value of an unlabelled metric (or the sum over its label sets).
+pub fn metric(text: &str, name: &str) -> Option<f64> {
+    let mut found = None;
+    for line in text.lines() {
+        if line.starts_with('#') {
+            continue;
+        }
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        // `name value` or `name{labels} value`, not `name_suffix ...`.
+        let value = if let Some(v) = rest.strip_prefix(' ') {
+            v
+        } else if rest.starts_with('{') {
+            match rest.rsplit_once(' ') {
+                Some((_, v)) => v,
+                None => continue,
+            }
+        } else {
+            continue;
+        };
+        if let Ok(v) = value.trim().parse::<f64>() {
+            found = Some(found.unwrap_or(0.0) + v);
+        }
+    }
+    found
+}
+
+fn gauges(text: &str) -> NodeGauges {
+    NodeGauges {
+        shards_owned: metric(text, "ankusa_shards_owned"),
+        tenants_active: metric(text, "ankusa_tenants_active"),
+        tenants_parked: metric(text, "ankusa_tenants_parked"),
+        claims: metric(text, "ankusa_claims"),
+        kv_writes_in_flight: metric(text, "ankusa_kv_writes_in_flight"),
+        nats_connected: metric(text, "ankusa_nats_connected"),
+    }
+}
+
+pub async fn collect(global: &Global) -> Result<FleetStatus, CliError> {
+    let client = global
+        .nats_client(global.timeout(Duration::from_secs(3)))
+        .await?;
+    let kv = FleetKv::open(client, &global.instance, 1).await?;
+    let beats: Vec<Heartbeat> = kv.live_nodes().await?;
+    let holders: HashMap<u32, String> = kv.lease_holders().await?;
+    let mut by_node: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+    for (shard, node) in &holders {
+        by_node.entry(node.clone()).or_default().push(*shard);
+    }
+    for shards in by_node.values_mut() {
+        shards.sort_unstable();
+    }
+    let unowned: Vec<u32> = (0..global.shards)
+        .filter(|s| !holders.contains_key(s))
+        .collect();
+    let mut nodes = Vec::new();
+    for beat in beats {
+        let shards = by_node.remove(&beat.node).unwrap_or_default();
+        let (gauges, metrics_error) = match &beat.http {
+            Some(addr) => match http_get(addr, "/metrics", Duration::from_millis(800)).await {
+                Ok(text) => (gauges(&text), None),
+                Err(why) => (NodeGauges::default(), Some(why)),
+            },
+            None => (NodeGauges::default(), Some("no HTTP address".into())),
+        };
+        nodes.push(NodeStatus {
+            node: beat.node,
+            http: beat.http,
+            started_ms: beat.started_ms,
+            shards,
+            metrics_error,
+            gauges,
+        });
+    }
+    Ok(FleetStatus {
+        instance: global.instance.clone(),
+        shards: global.shards,
+        nodes,
+        unowned,
+        held_by_unknown: by_node,
+    })
+}
+
+fn opt(v: Option<f64>) -> String {
+    v.map_or_else(|| "?".into(), |v| format!("{v:.0}"))
+}
+
+pub fn render(status: &FleetStatus) -> String {
+    let mut out = format!(
+        "instance {}: {} shards, {} live node(s)\n",
+        status.instance,
+        status.shards,
+        status.nodes.len()
+    );
+    out.push_str(&format!(
+        "{:<24} {:<22} {:>6} {:>8} {:>8} {:>9} {:>5}  leased shards\n",
+        "node", "http", "owned", "tenants", "parked", "claims", "lag"
+    ));
+    for n in &status.nodes {
+        out.push_str(&format!(
+            "{:<24} {:<22} {:>6} {:>8} {:>8} {:>9} {:>5}  {} ({})\n",
+            n.node,
+            n.http.as_deref().unwrap_or("-"),
+            opt(n.gauges.shards_owned),
+            opt(n.gauges.tenants_active),
+            opt(n.gauges.tenants_parked),
+            opt(n.gauges.claims),
+            opt(n.gauges.kv_writes_in_flight),
+            ranges(&n.shards),
+            n.shards.len()
+        ));
+        if let Some(why) = &n.metrics_error {
+            out.push_str(&format!("  metrics unavailable: {why}\n"));
+        }
+    }
+    for (node, shards) in &status.held_by_unknown {
+        out.push_str(&format!(
+            "! {} shard(s) leased by {node}, which has no live heartbeat: {}\n",
+            shards.len(),
+            ranges(shards)
+        ));
+    }
+    if status.unowned.is_empty() {
+        out.push_str("every shard is owned\n");
+    } else {
+        out.push_str(&format!(
+            "! {} UNOWNED shard(s) (no node serves them; edges degrade): {}\n",
+            status.unowned.len(),
+            ranges(&status.unowned)
+        ));
+    }
+    out.push_str("(lag = KV writes awaiting their ack)");
+    out
+}
+
+pub async fn status(global: &Global, args: StatusArgs) -> Result<(), CliError> {
+    let status = collect(global).await?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&status).unwrap_or_default()
+        );
+    } else {
+        println!("{}", render(&status));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shard_ranges() {
+        assert_eq!(ranges(&[]), "-");
+        assert_eq!(ranges(&[0, 1, 2, 5, 7, 8]), "0-2,5,7-8");
+    }
+
+    #[test]
+    fn metrics_are_read() {
+        let text = "# TYPE ankusa_claims gauge\nankusa_claims 12\nankusa_claims_x 3\nankusa_requests_total{result=\"ok\"} 4\nankusa_requests_total{result=\"err\"} 1\n";
+        assert_eq!(metric(text, "ankusa_claims"), Some(12.0));
+        assert_eq!(metric(text, "ankusa_requests_total"), Some(5.0));
+        assert_eq!(metric(text, "ankusa_missing"), None);
+    }
+}
