@@ -5,9 +5,11 @@
 //! - [`host`]: the shards served now, each an actor and a responder;
 //! - [`fleet`]: shard ownership through KV leases, balance, handoff;
 //! - [`run`]: the node's life from start to graceful stop;
-//! - [`health`], [`http`]: readiness and the operator endpoints.
+//! - [`health`], [`http`]: readiness and the operator endpoints;
+//! - [`cli`]: the `ankusa` command line (hit, settle, reset, status, bench).
 
 pub mod bench;
+pub mod cli;
 pub mod config;
 pub mod fleet;
 pub mod health;
