@@ -237,6 +237,7 @@ pub struct History {
     origin: Instant,
     events: Mutex<Vec<Event>>,
     faults: Mutex<Vec<FaultEvent>>,
+    stalls: Mutex<Vec<(Micros, Micros)>>,
 }
 
 impl Default for History {
@@ -255,6 +256,7 @@ impl History {
             origin: Instant::now(),
             events: Mutex::new(Vec::new()),
             faults: Mutex::new(Vec::new()),
+            stalls: Mutex::new(Vec::new()),
         }
     }
 
@@ -366,6 +368,48 @@ impl History {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
+    }
+
+    /// Records that this process was not scheduled from `start` to `end`.
+    pub fn record_stall(&self, start: Micros, end: Micros) {
+        self.stalls
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((start, end));
+    }
+
+    pub fn stalls(&self) -> Vec<(Micros, Micros)> {
+        self.stalls
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Watches, on an OS thread of its own, for stretches in which this process
+    /// got no CPU: it sleeps 1 ms at a time and records every wake-up later than
+    /// `threshold` as a stall. A call cannot be blamed for lateness the OS
+    /// imposed on the whole process (the checker's deadline rule uses this); an
+    /// async runtime that starves its own tasks is not seen here, so it still
+    /// counts against the client. Stops when `stop` is set, or after `max`.
+    pub fn spawn_stall_monitor(
+        self: &std::sync::Arc<Self>,
+        stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+        threshold: Duration,
+        max: Duration,
+    ) -> std::thread::JoinHandle<()> {
+        let history = self.clone();
+        std::thread::spawn(move || {
+            let tick = Duration::from_millis(1);
+            let began = Instant::now();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) && began.elapsed() < max {
+                let before = history.now();
+                std::thread::sleep(tick);
+                let after = history.now();
+                if after - before > micros(tick + threshold) {
+                    history.record_stall(before + micros(tick), after);
+                }
+            }
+        })
     }
 
     pub fn len(&self) -> usize {
