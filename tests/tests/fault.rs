@@ -1,0 +1,482 @@
+//! The fault harness: a real fleet (nats-server, or a 3-server JetStream cluster
+//! with 3 KV replicas, and `ankusa-node`s in fleet mode on loopback) driven by
+//! four concurrent edge clients while faults are injected one at a time, every
+//! call and fault recorded in a [`History`] and the history then run through the
+//! [`checker`](ankusa_tests::checker). The test fails on any violation.
+//!
+//! Workload per client: a hit claiming a key from a small space (so keys are
+//! met again: duplicates and pendings happen), then on `Ok` a commit (mostly;
+//! an uncertain commit is retried once) or a release; committed keys are hit
+//! again until their short TTL passes; one tenant has a tight rate limit. One
+//! of the four clients is a degrading [`Edge`], so local answers and the way
+//! back to the fleet are exercised too.
+//!
+//! Faults, one at a time with a recovery gap after each: kill -9 of a node (then
+//! a restart under the same name), SIGSTOP of a node for longer than the lease
+//! TTL (a zombie) then SIGCONT, SIGTERM of a node (graceful handoff) then a
+//! restart, a nats-server restart (single: stop + start on the same store; the
+//! cluster: one member, the meta leader), and a fourth node joining. A network
+//! cut of one node is not injected: a SIGSTOP already cuts the node off from
+//! NATS for longer than its lease, which is what a partition does to it.
+//!
+//! `ANKUSA_SOAK_SECS=<n>` repeats the fault cycle until n seconds have passed.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ankusa_actors::{Charge, Claim, HitOutcome, HitRequest, SettleRequest, Settlement};
+use ankusa_bus::{shard_of, Edge, EdgeConfig, FleetConfig, FleetStore, NatsOptions, Store};
+use ankusa_tests::checker::{check_with_stalls, CheckerConfig, Report};
+use ankusa_tests::history::{CallResult, FaultKind, History};
+use ankusa_tests::requests::{bytes, hooks};
+use ankusa_tests::{wait_until, NatsCluster, NatsServer, NodeProcess, NodeSpec};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const SHARDS: u32 = 16;
+/// Every call's budget.
+const CALL: Duration = Duration::from_millis(250);
+/// Past its budget, a call may complete this late (tokio timers and a loaded
+/// 2-core box running a nats-server, four nodes and this test).
+const DEADLINE_SLACK_US: u64 = 25_000;
+const LEASE_TTL_MS: u64 = 2_000;
+const LEASE_RENEW_MS: u64 = 400;
+const LEASE_MARGIN_MS: u64 = 500;
+/// Committed claims live this long, so keys are met as duplicates and then
+/// accepted again within one run.
+const CLAIM_TTL_MS: u64 = 4_000;
+const PENDING_TTL_MS: u64 = 3_000;
+const KEYS: u32 = 100;
+/// Every shard must answer again this soon after the last fault.
+const RECOVERY_BOUND: Duration = Duration::from_secs(10);
+/// Pause between a fault's repair and the next fault.
+const GAP: Duration = Duration::from_secs(3);
+/// Upper bound on the calls one client makes, whatever the clock says.
+const MAX_ITERATIONS: u64 = 100_000;
+
+/// The NATS side of a run.
+enum Nats {
+    Single(NatsServer),
+    Cluster(NatsCluster),
+}
+
+impl Nats {
+    fn urls(&self) -> Vec<String> {
+        match self {
+            Nats::Single(s) => vec![s.url()],
+            Nats::Cluster(c) => c.urls(),
+        }
+    }
+
+    /// Restarts one server; returns its name.
+    async fn restart_one(&mut self) -> String {
+        match self {
+            Nats::Single(s) => {
+                s.stop().await.expect("nats-server stops");
+                s.start_again().await.expect("nats-server starts again");
+                s.name().to_string()
+            }
+            Nats::Cluster(c) => {
+                let leader = c.meta_leader().await.unwrap_or_else(|_| "n1".into());
+                let i = c.index_of(&leader).unwrap_or(0);
+                c.restart(i).await.expect("cluster member restarts");
+                c.wait_ready(Duration::from_secs(20))
+                    .await
+                    .expect("cluster ready again");
+                leader
+            }
+        }
+    }
+}
+
+struct Fleet {
+    nats: Nats,
+    replicas: usize,
+    nodes: Vec<NodeProcess>,
+}
+
+impl Fleet {
+    fn spec(&self, id: &str) -> NodeSpec {
+        NodeSpec {
+            lease_ttl_ms: LEASE_TTL_MS,
+            lease_renew_ms: LEASE_RENEW_MS,
+            lease_margin_ms: LEASE_MARGIN_MS,
+            kv_replicas: self.replicas,
+            shards: SHARDS,
+            ..NodeSpec::fleet(id, self.nats.urls())
+        }
+    }
+
+    fn start_node(&mut self, id: &str) {
+        let node = NodeProcess::start(self.spec(id)).expect("node starts");
+        match self.nodes.iter().position(|n| n.spec.node_id == id) {
+            Some(i) => self.nodes[i] = node,
+            None => self.nodes.push(node),
+        }
+    }
+
+    fn node(&mut self, id: &str) -> &mut NodeProcess {
+        self.nodes
+            .iter_mut()
+            .find(|n| n.spec.node_id == id)
+            .expect("a node of this fleet")
+    }
+
+    async fn wait_all_ready(&self, within: Duration) {
+        for node in &self.nodes {
+            if let Err(why) = node.wait_ready(within).await {
+                eprintln!("warning: {why}");
+            }
+        }
+    }
+}
+
+/// One of the edge clients.
+enum Client {
+    Fleet(FleetStore),
+    Edge(Arc<Edge<FleetStore>>),
+}
+
+impl Client {
+    async fn hit(&self, history: &History, name: &str, req: HitRequest) -> CallResult {
+        let shard = shard_of(req.tenant(), SHARDS);
+        let invoked = history.now();
+        let result = match self {
+            Client::Fleet(s) => CallResult::hit(&s.hit(req.clone(), CALL).await),
+            Client::Edge(e) => CallResult::edge_hit(&e.hit(req.clone(), CALL).await),
+        };
+        history.record_hit(name, shard, &req, CALL, invoked, result.clone());
+        result
+    }
+
+    async fn settle(&self, history: &History, name: &str, req: SettleRequest) -> CallResult {
+        let shard = shard_of(&req.claim.tenant, SHARDS);
+        let invoked = history.now();
+        let result = match self {
+            Client::Fleet(s) => CallResult::settle(&s.settle(req.clone(), CALL).await),
+            Client::Edge(e) => CallResult::edge_settle(&e.settle(req.clone(), CALL).await),
+        };
+        history.record_settle(name, shard, &req, CALL, invoked, result.clone());
+        result
+    }
+}
+
+async fn fleet_store(urls: &[String]) -> FleetStore {
+    let mut config = FleetConfig::new(NatsOptions::with_servers(urls.iter().cloned()), "test");
+    config.shards = SHARDS;
+    let store = FleetStore::connect(config).await.expect("valid config");
+    wait_until(Duration::from_secs(10), || async {
+        store.nats().connection_state() == async_nats::connection::State::Connected
+    })
+    .await
+    .expect("edge connects");
+    store
+}
+
+/// The tenants the workload uses: two roomy ones and one with a tight limit.
+const TIGHT: &str = "tight";
+
+fn charges(tenant: &str) -> Vec<Charge> {
+    if tenant == TIGHT {
+        // Bursts of 5, then one per 100 ms.
+        vec![hooks(tenant, 5, 100)]
+    } else {
+        vec![hooks(tenant, 1000, 1), bytes(tenant)]
+    }
+}
+
+fn claim(tenant: &str, key: &str, hook_id: &str, client: &str) -> Claim {
+    Claim {
+        tenant: tenant.into(),
+        source_id: "src".into(),
+        key: key.into(),
+        hook_id: hook_id.into(),
+        node: client.into(),
+        ttl_ms: CLAIM_TTL_MS,
+        pending_ttl_ms: PENDING_TTL_MS,
+    }
+}
+
+fn uncertain(result: &CallResult) -> bool {
+    matches!(result, CallResult::Error(kind) if !kind.certainly_not_applied())
+}
+
+/// One client's loop: until `stop`, bounded in iterations.
+async fn drive(
+    client: Client,
+    name: String,
+    seed: u64,
+    history: Arc<History>,
+    stop: Arc<AtomicBool>,
+) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    for n in 0..MAX_ITERATIONS {
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        let tenant = match rng.random_range(0..100) {
+            0..45 => "acme",
+            45..85 => "globex",
+            _ => TIGHT,
+        };
+        let key = format!("k{}", rng.random_range(0..KEYS));
+        let hook = format!("{name}-{n}");
+        let req = HitRequest {
+            charges: charges(tenant),
+            claim: Some(claim(tenant, &key, &hook, &name)),
+        };
+        let result = client.hit(&history, &name, req.clone()).await;
+        if matches!(result, CallResult::Hit(HitOutcome::Ok, _)) {
+            let settlement = if rng.random_range(0..100) < 85 {
+                Settlement::Commit
+            } else {
+                Settlement::Release
+            };
+            let settle = SettleRequest {
+                claim: claim(tenant, &key, &hook, &name),
+                settlement,
+            };
+            let first = client.settle(&history, &name, settle.clone()).await;
+            if uncertain(&first) {
+                // What a real edge does with an unanswered settle: try once more.
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                client.settle(&history, &name, settle).await;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// A tenant name per shard, so the probe can reach every shard.
+fn probe_tenants() -> Vec<String> {
+    let mut found: Vec<Option<String>> = vec![None; SHARDS as usize];
+    for i in 0..100_000u32 {
+        let name = format!("probe-{i}");
+        let slot = &mut found[shard_of(&name, SHARDS) as usize];
+        if slot.is_none() {
+            *slot = Some(name);
+        }
+        if found.iter().all(Option::is_some) {
+            break;
+        }
+    }
+    found
+        .into_iter()
+        .map(|t| t.expect("every shard has a probe tenant"))
+        .collect()
+}
+
+/// After the last fault: hits every shard until each answers from the fleet,
+/// recording the calls (the checker measures recovery from them).
+async fn probe_every_shard(store: FleetStore, history: Arc<History>) {
+    let client = Client::Fleet(store);
+    let tenants = probe_tenants();
+    let deadline = history.now() + (RECOVERY_BOUND + Duration::from_secs(5)).as_micros() as u64;
+    let mut pending: Vec<usize> = (0..tenants.len()).collect();
+    let mut round = 0u32;
+    while !pending.is_empty() && history.now() < deadline && round < 1_000 {
+        round += 1;
+        let mut still = Vec::new();
+        for i in pending {
+            let tenant = &tenants[i];
+            let req = HitRequest {
+                charges: charges(tenant),
+                claim: Some(claim(
+                    tenant,
+                    &format!("probe-{round}"),
+                    &format!("probe-{i}-{round}"),
+                    "probe",
+                )),
+            };
+            let result = client.hit(&history, "probe", req).await;
+            if result.answered().is_none() {
+                still.push(i);
+            }
+        }
+        pending = still;
+        if !pending.is_empty() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+fn soak() -> Option<Duration> {
+    std::env::var("ANKUSA_SOAK_SECS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .map(Duration::from_secs)
+}
+
+/// One cycle of faults, one at a time, each followed by a recovery gap.
+async fn fault_cycle(fleet: &mut Fleet, history: &History, cycle: u32) {
+    let gap = || tokio::time::sleep(GAP);
+
+    let f = history.fault_start(FaultKind::KillNode, "node-a");
+    fleet.node("node-a").kill().await.expect("kill -9");
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    fleet.start_node("node-a");
+    history.fault_end(f);
+    gap().await;
+
+    let f = history.fault_start(FaultKind::PauseNode, "node-b");
+    fleet.node("node-b").pause().expect("SIGSTOP");
+    // Longer than the lease TTL: its shards move while it sleeps.
+    tokio::time::sleep(Duration::from_millis(LEASE_TTL_MS + 1_000)).await;
+    fleet.node("node-b").resume().expect("SIGCONT");
+    history.fault_end(f);
+    gap().await;
+
+    let f = history.fault_start(FaultKind::StopNode, "node-c");
+    fleet.node("node-c").stop().await.expect("SIGTERM");
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    fleet.start_node("node-c");
+    history.fault_end(f);
+    gap().await;
+
+    let f = history.fault_start(FaultKind::RestartNats, "nats");
+    let name = fleet.nats.restart_one().await;
+    history.fault_end(f);
+    eprintln!("restarted nats server {name}");
+    gap().await;
+
+    // The fourth node joins on the first cycle; later cycles have it leave
+    // (SIGTERM) and join again.
+    if cycle > 0 {
+        fleet.node("node-d").stop().await.expect("SIGTERM node-d");
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+    }
+    let f = history.fault_start(FaultKind::AddNode, "node-d");
+    fleet.start_node("node-d");
+    history.fault_end(f);
+}
+
+/// Starts the fleet, runs the workload and the faults, checks the history.
+async fn run(nats: Nats, replicas: usize) -> Report {
+    let setup = std::time::Instant::now();
+    let mut fleet = Fleet {
+        nats,
+        replicas,
+        nodes: Vec::new(),
+    };
+    for id in ["node-a", "node-b", "node-c"] {
+        fleet.start_node(id);
+    }
+    fleet.wait_all_ready(Duration::from_secs(30)).await;
+    let urls = fleet.nats.urls();
+
+    let history = Arc::new(History::new());
+    let stop = Arc::new(AtomicBool::new(false));
+    let monitor = history.spawn_stall_monitor(
+        stop.clone(),
+        Duration::from_millis(5),
+        Duration::from_secs(3_600),
+    );
+    eprintln!("fleet ready after {:?}", setup.elapsed());
+    let mut clients = Vec::new();
+    for i in 0..4u64 {
+        let store = fleet_store(&urls).await;
+        let client = if i == 3 {
+            Client::Edge(Arc::new(Edge::new(store, EdgeConfig::default())))
+        } else {
+            Client::Fleet(store)
+        };
+        let name = if i == 3 {
+            "edge-3".to_string()
+        } else {
+            format!("client-{i}")
+        };
+        clients.push(tokio::spawn(drive(
+            client,
+            name,
+            0x5eed + i,
+            history.clone(),
+            stop.clone(),
+        )));
+    }
+    let probe_store = fleet_store(&urls).await;
+
+    // Warm up, then the faults.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let soak = soak();
+    let began = std::time::Instant::now();
+    let mut cycle = 0;
+    loop {
+        fault_cycle(&mut fleet, &history, cycle).await;
+        cycle += 1;
+        let more = soak.is_some_and(|s| began.elapsed() < s) && cycle < 1_000;
+        if !more {
+            break;
+        }
+        tokio::time::sleep(GAP).await;
+    }
+    // The last fault has ended: measure recovery while the workload goes on.
+    let probe = tokio::spawn(probe_every_shard(probe_store, history.clone()));
+    tokio::time::sleep(GAP).await;
+    probe.await.expect("probe task");
+    stop.store(true, Ordering::Relaxed);
+    for c in clients {
+        c.await.expect("client task");
+    }
+    monitor.join().expect("stall monitor");
+    eprintln!("run done after {:?}", setup.elapsed());
+    for node in &mut fleet.nodes {
+        assert!(
+            node.process().is_running(),
+            "node {} died; log tail:\n{}",
+            node.spec.node_id,
+            node.log_tail(40)
+        );
+    }
+
+    let config = CheckerConfig {
+        deadline_slack: DEADLINE_SLACK_US,
+        lease_ttl: LEASE_TTL_MS * 1000,
+        recovery_bound: RECOVERY_BOUND.as_micros() as u64,
+        shards: SHARDS,
+        ..CheckerConfig::default()
+    };
+    let report = check_with_stalls(
+        &history.events(),
+        &history.faults(),
+        &history.stalls(),
+        &config,
+    );
+    println!("{}", report.render());
+    report
+}
+
+fn assert_sound(report: &Report) {
+    assert!(
+        report.is_clean(),
+        "{} violations:\n{}",
+        report.violations.len(),
+        report.render()
+    );
+    // The run must actually have exercised what the rules are about.
+    assert!(
+        report.duplicates_checked > 0,
+        "no duplicate was ever answered"
+    );
+    assert!(report.accepts_checked > 100, "too few accepts");
+    assert!(
+        report.ops_by_result.contains_key("hit:rate_limited"),
+        "the tight tenant was never limited"
+    );
+    assert!(report.faults.len() >= 5, "faults: {:?}", report.faults);
+    assert!(report.recovery_max.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_lost_webhook_under_faults_single_server() {
+    let nats = NatsServer::start().await.expect("nats-server starts");
+    let report = run(Nats::Single(nats), 1).await;
+    assert_sound(&report);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_lost_webhook_under_faults_three_server_cluster() {
+    let cluster = NatsCluster::start(3).await.expect("nats cluster starts");
+    let report = run(Nats::Cluster(cluster), 3).await;
+    assert_sound(&report);
+}
