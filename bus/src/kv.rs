@@ -667,11 +667,13 @@ async fn commit_loop(js: jetstream::Context, mut rx: mpsc::Receiver<Submitted>) 
                     continue;
                 };
                 let published = js.publish_with_headers(write.subject, write.headers, write.payload).await;
+                let sent = std::time::Instant::now();
                 acks.push(async move {
                     let result = match published {
                         Ok(ack) => ack.await.map(|_| ()).map_err(|e| PersistError::Write(e.to_string())),
                         Err(e) => Err(PersistError::Write(e.to_string())),
                     };
+                    metrics::histogram!("ankusa_kv_write_seconds").record(sent.elapsed().as_secs_f64());
                     if result.is_err() {
                         metrics::counter!("ankusa_kv_write_failures_total").increment(1);
                     }

@@ -169,6 +169,18 @@ struct Envelope {
     v: u64,
 }
 
+impl Op {
+    /// The operation's wire name, for logs and metrics.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Hit(_) => "hit",
+            Op::Settle(_) => "settle",
+            Op::Reset { .. } => "reset",
+            Op::Batch(_) => "batch",
+        }
+    }
+}
+
 impl Request {
     pub fn new(timeout_ms: u64, op: Op) -> Self {
         Self {

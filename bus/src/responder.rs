@@ -165,9 +165,9 @@ async fn run(
             continue;
         };
         let received = Instant::now();
-        let answer = match Request::decode(&message.payload) {
-            Ok(request) => dispatch(&ctx, request, received),
-            Err(err) => ready(ReplyBody::Error(err.into())),
+        let (op, answer) = match Request::decode(&message.payload) {
+            Ok(request) => (request.op.name(), dispatch(&ctx, request, received)),
+            Err(err) => ("undecodable", ready(ReplyBody::Error(err.into()))),
         };
         let guard = in_flight.enter();
         let client = client.clone();
@@ -181,6 +181,8 @@ async fn run(
                 return;
             }
             count(&body);
+            metrics::histogram!("ankusa_request_duration_seconds", "op" => op)
+                .record(received.elapsed().as_secs_f64());
             if let Err(err) = client
                 .publish(reply_to, Reply::new(body).encode().into())
                 .await

@@ -25,6 +25,83 @@ pub fn install_recorder() -> Result<PrometheusHandle, String> {
         .map_err(|e| e.to_string())
 }
 
+/// Describes every metric the node exports, and creates the counters at zero so
+/// that dashboards and alerts see them before the first event.
+pub fn describe_metrics() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!(
+        "ankusa_requests_total",
+        "Answers given, by result (ok, duplicate, pending, rate_limited, settled, reset)"
+    );
+    describe_counter!(
+        "ankusa_requests_refused_total",
+        "Requests answered with an error, by error code"
+    );
+    describe_counter!(
+        "ankusa_requests_dropped_total",
+        "Requests left unanswered, by why (lease: the shard's lease had lapsed)"
+    );
+    describe_histogram!(
+        "ankusa_request_duration_seconds",
+        Unit::Seconds,
+        "Time from receipt to answer, by op (includes the KV write of claims)"
+    );
+    describe_gauge!("ankusa_shards_owned", "Shards this node serves");
+    describe_gauge!(
+        "ankusa_shards_target",
+        "Shards rendezvous hashing assigns to this node"
+    );
+    describe_gauge!("ankusa_tenants_active", "Tenants with a running actor");
+    describe_gauge!(
+        "ankusa_tenants_parked",
+        "Quiet tenants whose state is parked in their shard"
+    );
+    describe_gauge!(
+        "ankusa_claims",
+        "Claims held in memory (live, or expired and not yet swept)"
+    );
+    describe_gauge!(
+        "ankusa_tenant_restarts",
+        "Tenant actors that failed and were restarted"
+    );
+    describe_gauge!(
+        "ankusa_requests_shed",
+        "Requests shed because a tenant's queue was full"
+    );
+    describe_histogram!(
+        "ankusa_kv_write_seconds",
+        Unit::Seconds,
+        "KV write latency, publish to ack (the durability lag of an answer)"
+    );
+    describe_histogram!(
+        "ankusa_kv_flush_buckets",
+        "Tenants' buckets written per write-behind flush"
+    );
+    describe_gauge!("ankusa_kv_writes_in_flight", "KV writes awaiting their ack");
+    describe_counter!("ankusa_kv_write_failures_total", "KV writes that failed");
+    describe_counter!(
+        "ankusa_lease_renew_failures_total",
+        "Lease renewals that failed on a KV error"
+    );
+    describe_counter!(
+        "ankusa_leases_lost_total",
+        "Leases found lost (expired or taken) at renewal"
+    );
+    describe_histogram!(
+        "ankusa_shard_load_seconds",
+        Unit::Seconds,
+        "Time to load a shard's state from KV before serving it"
+    );
+    describe_gauge!("ankusa_nats_connected", "1 while connected to NATS");
+    for counter in [
+        "ankusa_kv_write_failures_total",
+        "ankusa_lease_renew_failures_total",
+        "ankusa_leases_lost_total",
+    ] {
+        metrics::counter!(counter).increment(0);
+    }
+}
+
 #[derive(Clone)]
 struct AppState {
     metrics: PrometheusHandle,

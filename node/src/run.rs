@@ -49,6 +49,7 @@ pub async fn run(config: NodeConfig, shutdown: impl Future<Output = ()>) -> Resu
     let health = Arc::new(Health::default());
     if let Some(addr) = config.http_addr {
         let handle = crate::http::install_recorder().map_err(NodeError::Metrics)?;
+        crate::http::describe_metrics();
         let bound = crate::http::serve(addr, handle, health.clone())
             .await
             .map_err(|source| NodeError::Http { addr, source })?;

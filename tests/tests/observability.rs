@@ -1,0 +1,108 @@
+//! What an operator sees: a fleet node's `/metrics` (Prometheus text),
+//! `/healthz` and `/readyz`, scraped while it serves and after NATS goes away.
+
+use std::time::Duration;
+
+use ankusa_actors::{HitOutcome, HitRequest, Settlement};
+use ankusa_bus::protocol::{Op, Request};
+use ankusa_bus::{FleetConfig, FleetStore, NatsOptions, Store, Subjects};
+use ankusa_tests::requests::{claim, hit, hooks, settle};
+use ankusa_tests::{wait_until, NatsServer, NodeProcess, NodeSpec};
+
+const T: Duration = Duration::from_millis(1000);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_health_and_readiness() {
+    let mut nats = NatsServer::start().await.expect("nats");
+    let node = NodeProcess::start(NodeSpec::fleet("watched", vec![nats.url()])).expect("node");
+    let alive = wait_until(Duration::from_secs(20), || async {
+        matches!(node.http("/healthz").await, Ok((200, _)))
+    })
+    .await;
+    assert!(
+        alive.is_ok(),
+        "healthz never answered:\n{}",
+        node.log_tail(20)
+    );
+    node.wait_ready(Duration::from_secs(20))
+        .await
+        .expect("ready");
+    let (status, body) = node.http("/readyz").await.expect("readyz");
+    assert_eq!((status, body.trim()), (200, "ready: serving 16 shards"));
+
+    let mut config = FleetConfig::new(NatsOptions::with_servers([nats.url()]), "test");
+    config.shards = 16;
+    let store = FleetStore::connect(config).await.expect("config");
+    wait_until(Duration::from_secs(5), || async {
+        store.nats().connection_state() == async_nats::connection::State::Connected
+    })
+    .await
+    .expect("edge connects");
+    assert_eq!(
+        store.hit(hit("acme", "k", "h1"), T).await,
+        Ok(HitOutcome::Ok)
+    );
+    store
+        .settle(settle("acme", "k", "h1", Settlement::Commit), T)
+        .await
+        .expect("settled");
+    assert!(matches!(
+        store.hit(hit("acme", "k", "h2"), T).await,
+        Ok(HitOutcome::Duplicate { .. })
+    ));
+    let tight = |key: &str| HitRequest {
+        charges: vec![hooks("acme", 1, 60_000)],
+        claim: Some(claim("acme", key, key)),
+    };
+    assert_eq!(store.hit(tight("t1"), T).await, Ok(HitOutcome::Ok));
+    assert!(matches!(
+        store.hit(tight("t2"), T).await,
+        Ok(HitOutcome::RateLimited { .. })
+    ));
+    let client = nats.connect().await.expect("connect");
+    let subject = Subjects::new("test")
+        .unwrap()
+        .shard(ankusa_bus::shard_of("acme", 16));
+    let expired = Request::new(0, Op::Hit(hit("acme", "late", "h")));
+    client
+        .request(subject, expired.encode().into())
+        .await
+        .expect("answered");
+
+    // Gauges refresh every second.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (status, metrics) = node.http("/metrics").await.expect("metrics");
+    assert_eq!(status, 200);
+    for line in [
+        "ankusa_requests_total{result=\"ok\"}",
+        "ankusa_requests_total{result=\"duplicate\"}",
+        "ankusa_requests_total{result=\"rate_limited\"}",
+        "ankusa_requests_total{result=\"settled\"}",
+        "ankusa_requests_refused_total{code=\"deadline_expired\"} 1",
+        "ankusa_request_duration_seconds_bucket{op=\"hit\"",
+        "ankusa_request_duration_seconds_count{op=\"settle\"}",
+        "ankusa_kv_write_seconds_bucket",
+        "ankusa_kv_flush_buckets",
+        "ankusa_shards_owned 16",
+        "ankusa_shards_target 16",
+        "ankusa_tenants_active 1",
+        "ankusa_claims 2",
+        "ankusa_lease_renew_failures_total 0",
+        "ankusa_nats_connected 1",
+        "# HELP ankusa_claims",
+    ] {
+        assert!(
+            metrics.contains(line),
+            "no `{line}` in /metrics:\n{metrics}"
+        );
+    }
+
+    // Without NATS the node is alive but not ready.
+    nats.stop().await.expect("nats stops");
+    let unready = wait_until(Duration::from_secs(10), || async {
+        matches!(node.http("/readyz").await, Ok((503, body)) if body.contains("not connected"))
+    })
+    .await;
+    assert!(unready.is_ok(), "readyz stayed ready without NATS");
+    assert_eq!(node.http("/healthz").await.expect("healthz").0, 200);
+}
