@@ -1,0 +1,205 @@
+#!/usr/bin/env bash
+# The benchmark, side by side on this machine: brings up nats-server (JetStream)
+# and redis-server on free 127.0.0.1 ports, N ankusa-node processes (fleet mode,
+# release build), then runs
+#   ankusa bench --compare   (bare NATS echo, Redis + Lua, fleet without and with
+#                             edge batching, p99 at half the fleet's peak), K times
+#   ankusa bench durable     (KV group commit vs sequential puts)
+#   ankusa bench recovery    (load 100,000 claims of one shard)
+#   ankusa bench memory      (node RSS per committed claim / idle tenant, each on a
+#                             fresh standalone node)
+# and prints everything. Every process it starts is stopped on exit.
+#
+#   scripts/bench.sh [--duration S] [--nodes N] [--shards S] [--runs K]
+#                    [--no-memory] [--memory-count N] [--out DIR]
+#   scripts/bench.sh --scale [--duration S]   # 1, 2, 4 nodes x 16, 64, 256 shards
+set -euo pipefail
+
+duration=6 nodes=3 shards=64 runs=2 scale=0 memory=1 memory_count=1000000 out=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --duration) duration=$2; shift 2 ;;
+    --nodes) nodes=$2; shift 2 ;;
+    --shards) shards=$2; shift 2 ;;
+    --runs) runs=$2; shift 2 ;;
+    --scale) scale=1; shift ;;
+    --no-memory) memory=0; shift ;;
+    --memory-count) memory_count=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    *) echo "bench.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+cd "$(dirname "$0")/.."
+root=$(pwd)
+nats_bin=$(scripts/ensure-nats.sh)
+redis_bin=$(scripts/ensure-redis.sh)
+
+echo "== building (release) ==" >&2
+cargo build --release -q -p ankusa-node --bins
+node_bin="$root/target/release/ankusa-node"
+cli_bin="$root/target/release/ankusa"
+
+work=$(mktemp -d -t ankusa-bench.XXXXXX)
+out=${out:-$work/results}
+mkdir -p "$out"
+pids=()
+cleanup() {
+  local pid
+  for pid in "${pids[@]}"; do
+    kill "$pid" 2>/dev/null || true
+  done
+  for pid in "${pids[@]}"; do
+    # Bounded: a process that ignores SIGTERM for 5 s is killed.
+    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -9 "$pid" 2>/dev/null || true
+  done
+  rm -rf "$work/nats" "$work/redis"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+free_port() {
+  python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1]);s.close()'
+}
+
+wait_port() { # port, what
+  for _ in $(seq 100); do
+    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0
+    sleep 0.1
+  done
+  echo "bench.sh: $2 did not listen on 127.0.0.1:$1 within 10 s" >&2
+  return 1
+}
+
+nats_port=$(free_port)
+mkdir -p "$work/nats"
+"$nats_bin" -a 127.0.0.1 -p "$nats_port" -js -sd "$work/nats" >"$work/nats.log" 2>&1 &
+pids+=($!)
+wait_port "$nats_port" nats-server
+nats_url="nats://127.0.0.1:$nats_port"
+
+redis_port=$(free_port)
+mkdir -p "$work/redis"
+"$redis_bin" --bind 127.0.0.1 --port "$redis_port" --save '' --appendonly no \
+  --dir "$work/redis" >"$work/redis.log" 2>&1 &
+pids+=($!)
+wait_port "$redis_port" redis-server
+redis_url="redis://127.0.0.1:$redis_port/"
+
+# Starts `count` fleet nodes of `instance` with `nshards` shards; sets node_pids
+# and node_https.
+node_pids=() node_https=()
+start_fleet() { # instance, count, nshards
+  node_pids=() node_https=()
+  local i port
+  for i in $(seq "$2"); do
+    port=$(free_port)
+    "$node_bin" --mode fleet --nats "$nats_url" --instance "$1" --shards "$3" \
+      --node-id "$1-n$i" --http-addr "127.0.0.1:$port" --log-level warn \
+      >"$work/$1-n$i.log" 2>&1 &
+    pids+=($!)
+    node_pids+=($!)
+    node_https+=("127.0.0.1:$port")
+  done
+  wait_fleet "$1" "$3"
+}
+
+# Every node answers /readyz and no shard is unowned, at once (60 s at most).
+wait_fleet() { # instance, nshards
+  local t addr ok
+  for t in $(seq 600); do
+    ok=1
+    for addr in "${node_https[@]}"; do
+      curl -fsS -o /dev/null --max-time 1 "http://$addr/readyz" || { ok=0; break; }
+    done
+    if [ "$ok" = 1 ] && "$cli_bin" --nats "$nats_url" --instance "$1" --shards "$2" \
+        status --json 2>/dev/null | python3 -c 'import json,sys; sys.exit(0 if not json.load(sys.stdin)["unowned"] else 1)'; then
+      echo "fleet $1: ${#node_https[@]} node(s) ready, $2 shards owned (after $((t / 10)) s)" >&2
+      return 0
+    fi
+    sleep 0.1
+  done
+  echo "bench.sh: fleet $1 not ready within 60 s; node logs:" >&2
+  tail -n 20 "$work/$1"-n*.log >&2
+  return 1
+}
+
+stop_fleet() {
+  local pid
+  for pid in "${node_pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${node_pids[@]}"; do
+    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -9 "$pid" 2>/dev/null || true
+  done
+  node_pids=() node_https=()
+}
+
+cli() { "$cli_bin" --nats "$nats_url" "$@"; }
+
+echo "== machine ==" 
+echo "nproc: $(nproc)"; lscpu | sed -n '1,15p'; uptime
+echo "nats-server: $("$nats_bin" --version)  redis-server: $("$redis_bin" --version | cut -d' ' -f1-3)"
+
+if [ "$scale" = 1 ]; then
+  echo "== scale: fleet bench, ${duration}s per run, 256 in flight =="
+  printf '%-6s %-7s %12s %9s %9s %14s %9s %9s\n' nodes shards "hits/s" "p50 µs" "p99 µs" "batch hits/s" "p50 µs" "p99 µs" >"$out/scale.txt"
+  for n in 1 2 4; do
+    for s in 16 64 256; do
+      inst="scale_n${n}_s${s}"
+      start_fleet "$inst" "$n" "$s"
+      cli --instance "$inst" --shards "$s" bench --duration-s "$duration" --batching off \
+        --json "$out/$inst-off.json" >"$out/$inst-off.txt"
+      cli --instance "$inst" --shards "$s" bench --duration-s "$duration" --batching on \
+        --json "$out/$inst-on.json" >"$out/$inst-on.txt"
+      stop_fleet
+      python3 - "$out/$inst-off.json" "$out/$inst-on.json" "$n" "$s" >>"$out/scale.txt" <<'EOF'
+import json, sys
+off, on = (json.load(open(p)) for p in sys.argv[1:3])
+row = lambda r: (r["hits_per_sec"], r["hit_latency"]["p50_us"], r["hit_latency"]["p99_us"])
+a, b = row(off), row(on)
+print(f"{sys.argv[3]:<6} {sys.argv[4]:<7} {a[0]:>12.0f} {a[1]:>9} {a[2]:>9} {b[0]:>14.0f} {b[1]:>9} {b[2]:>9}")
+EOF
+      tail -n 1 "$out/scale.txt"
+    done
+  done
+  echo; cat "$out/scale.txt"
+  echo "results in $out"
+  exit 0
+fi
+
+echo "== fleet: $nodes node(s), $shards shards =="
+start_fleet bench "$nodes" "$shards"
+cli --instance bench --shards "$shards" status
+for r in $(seq "$runs"); do
+  echo; echo "== comparison, run $r of $runs (${duration}s per store) =="
+  cli --instance bench --shards "$shards" bench --compare --duration-s "$duration" \
+    --redis-url "$redis_url" --json "$out/compare-$r.json" | tee "$out/compare-$r.txt"
+done
+echo; echo "== durable claims =="
+cli bench durable --json "$out/durable.json" | tee "$out/durable.txt"
+echo; echo "== recovery =="
+cli bench recovery --json "$out/recovery.json" | tee "$out/recovery.txt"
+stop_fleet
+
+if [ "$memory" = 1 ]; then
+  # Fresh standalone nodes, so nothing but the measured state lives in them;
+  # a short idle time so tenants retire (park) within the run.
+  printf 'idle_after_ms = 2000\nsweep_every_ms = 60000\n' >"$work/memory.toml"
+  for what in claims tenants; do
+    echo; echo "== memory: $what =="
+    port=$(free_port)
+    "$node_bin" --config "$work/memory.toml" --mode standalone --nats "$nats_url" \
+      --instance "mem_$what" --shards 64 --node-id "mem-$what" \
+      --http-addr "127.0.0.1:$port" --log-level warn >"$work/mem-$what.log" 2>&1 &
+    pid=$!
+    pids+=($pid)
+    node_pids=($pid) node_https=("127.0.0.1:$port")
+    for _ in $(seq 100); do curl -fsS -o /dev/null --max-time 1 "http://127.0.0.1:$port/readyz" && break; sleep 0.1; done
+    cli --instance "mem_$what" --shards 64 bench memory --pid "$pid" --http "127.0.0.1:$port" \
+      --what "$what" --count "$memory_count" --json "$out/memory-$what.json" | tee "$out/memory-$what.txt"
+    stop_fleet
+  done
+fi
+echo; echo "results in $out"
