@@ -57,7 +57,7 @@ const MAX_ITERATIONS: u64 = 100_000;
 
 /// The NATS side of a run.
 enum Nats {
-    Single(NatsServer),
+    Single(Box<NatsServer>),
     Cluster(NatsCluster),
 }
 
@@ -470,7 +470,7 @@ fn assert_sound(report: &Report) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_lost_webhook_under_faults_single_server() {
     let nats = NatsServer::start().await.expect("nats-server starts");
-    let report = run(Nats::Single(nats), 1).await;
+    let report = run(Nats::Single(Box::new(nats)), 1).await;
     assert_sound(&report);
 }
 
