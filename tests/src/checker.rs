@@ -233,7 +233,17 @@ impl Report {
                 let _ = writeln!(out, "recovery: no faults, or not measured");
             }
         }
-        let _ = writeln!(out, "attributed conflicts: {}", self.attributed.len());
+        let local = self
+            .attributed
+            .iter()
+            .filter(|a| a.why == Attribution::Local)
+            .count();
+        let _ = writeln!(
+            out,
+            "attributed conflicts: {} ({local} local, {} to fault windows)",
+            self.attributed.len(),
+            self.attributed.len() - local
+        );
         for a in self.attributed.iter().take(10) {
             let _ = writeln!(
                 out,
