@@ -79,6 +79,9 @@ pub enum TenantMsg {
     Absorb(TenantSnapshot),
     /// Hand the state back and stop.
     Retire(RpcReplyPort<TenantState>),
+    /// Fail, to exercise supervision.
+    #[cfg(test)]
+    Fail,
 }
 
 /// Messages a shard actor takes.
@@ -98,6 +101,9 @@ pub enum ShardMsg {
     /// Every live tenant's state.
     Export(RpcReplyPort<Vec<TenantSnapshot>>),
     Stats(RpcReplyPort<ShardStats>),
+    /// Make a tenant's actor fail, to exercise supervision.
+    #[cfg(test)]
+    FailTenant(String),
 }
 
 /// Gauges of one shard.
@@ -125,6 +131,19 @@ pub struct ShardConfig {
     pub sweep_every: Duration,
     /// Requests a tenant may have waiting before more are shed.
     pub tenant_queue: usize,
+    /// What a tenant actor's failure does to its shard.
+    pub on_tenant_failure: TenantFailure,
+}
+
+/// How a shard supervises its tenants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TenantFailure {
+    /// Start the tenant afresh, empty, on its next request (state in memory only:
+    /// there is nothing better to restart from).
+    RestartEmpty,
+    /// Fail the shard, so that its owner restarts it from persisted state and the
+    /// tenant's claims come back.
+    Escalate,
 }
 
 impl ShardConfig {
@@ -134,6 +153,7 @@ impl ShardConfig {
             idle_after: Duration::from_secs(30),
             sweep_every: Duration::from_secs(5),
             tenant_queue: 1024,
+            on_tenant_failure: TenantFailure::RestartEmpty,
         }
     }
 }
@@ -210,6 +230,8 @@ impl Actor for TenantActor {
                 let _ = reply.send(me.state.claims().len());
             }
             TenantMsg::Absorb(snapshot) => me.state.absorb(snapshot, now),
+            #[cfg(test)]
+            TenantMsg::Fail => return Err("failing on request".into()),
             TenantMsg::Retire(reply) => {
                 let _ = reply.send(std::mem::take(&mut me.state));
                 myself.stop(None);
@@ -465,6 +487,11 @@ impl Actor for ShardActor {
             ShardMsg::Stats(reply) => {
                 let _ = reply.send(state.stats().await);
             }
+            #[cfg(test)]
+            ShardMsg::FailTenant(tenant) => {
+                let active = state.tenant(&myself, &tenant).await?;
+                let _ = active.actor.cast(TenantMsg::Fail);
+            }
         }
         Ok(())
     }
@@ -475,13 +502,18 @@ impl Actor for ShardActor {
         event: SupervisionEvent,
         state: &mut ShardState,
     ) -> Result<(), ActorProcessingErr> {
-        // A tenant that failed is forgotten here and started afresh by its next
-        // request; jobs in its mailbox see their reply port dropped. Retired
-        // tenants were removed before they stopped, so termination needs nothing.
+        // A tenant that failed is forgotten here and, as configured, started
+        // afresh by its next request or escalated; jobs in its mailbox see their
+        // reply port dropped. Retired tenants were removed before they stopped, so
+        // termination needs nothing.
         if let SupervisionEvent::ActorFailed(cell, err) = event {
             let failed = cell.get_id();
             state.active.retain(|_, t| t.actor.get_id() != failed);
             state.restarts += 1;
+            if state.config.on_tenant_failure == TenantFailure::Escalate {
+                tracing::error!(error = %err, "tenant actor failed; failing its shard to reload it");
+                return Err(format!("tenant actor failed: {err}").into());
+            }
             tracing::error!(error = %err, "tenant actor failed; it restarts on its next request");
         }
         Ok(())
@@ -517,4 +549,85 @@ pub async fn spawn_shard(
         None => Actor::spawn(None, ShardActor, args).await?,
     };
     Ok(actor)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::types::{Charge, Claim, Kind};
+
+    fn hit(key: &str) -> HitRequest {
+        HitRequest {
+            charges: vec![Charge {
+                kind: Kind::Hooks,
+                tenant: "t".into(),
+                increment_us: 1,
+                capacity_us: 1_000,
+            }],
+            claim: Some(Claim {
+                tenant: "t".into(),
+                source_id: "s".into(),
+                key: key.into(),
+                hook_id: "h".into(),
+                node: "n".into(),
+                ttl_ms: 1_000,
+                pending_ttl_ms: 1_000,
+            }),
+        }
+    }
+
+    async fn send_hit(shard: &ActorRef<ShardMsg>, key: &str) -> Option<Reply<HitOutcome>> {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        let job = Job {
+            req: hit(key),
+            deadline: None,
+            reply: reply.into(),
+        };
+        shard.cast(ShardMsg::Hit(job)).ok()?;
+        rx.await.ok()
+    }
+
+    async fn shard_with(policy: TenantFailure) -> ActorRef<ShardMsg> {
+        let config = ShardConfig {
+            on_tenant_failure: policy,
+            ..ShardConfig::new(Arc::new(ManualClock::new(1_000_000)))
+        };
+        spawn_shard(config, Vec::new(), None).await.expect("spawns")
+    }
+
+    #[tokio::test]
+    async fn a_failed_tenant_restarts_empty_by_default() {
+        let shard = shard_with(TenantFailure::RestartEmpty).await;
+        assert!(matches!(send_hit(&shard, "a").await, Some(Ok(_))));
+        shard.cast(ShardMsg::FailTenant("t".into())).expect("cast");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let stats = shard.call(ShardMsg::Stats, None).await.expect("call");
+        assert!(matches!(stats, CallResult::Success(s) if s.restarts == 1));
+        // Served again, from an empty state: the old claim is gone.
+        let again = send_hit(&shard, "a").await;
+        assert!(
+            matches!(
+                again,
+                Some(Ok(Applied {
+                    outcome: HitOutcome::Ok,
+                    ..
+                }))
+            ),
+            "{again:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_failed_tenant_can_escalate_to_its_shard() {
+        let shard = shard_with(TenantFailure::Escalate).await;
+        assert!(matches!(send_hit(&shard, "a").await, Some(Ok(_))));
+        shard.cast(ShardMsg::FailTenant("t".into())).expect("cast");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(shard.get_status(), ractor::ActorStatus::Stopped);
+        assert!(
+            send_hit(&shard, "b").await.is_none(),
+            "a failed shard takes no work"
+        );
+    }
 }

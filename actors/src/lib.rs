@@ -15,7 +15,7 @@ pub mod gcra;
 pub mod tenant;
 pub mod types;
 
-pub use actor::{spawn_shard, Refused, ShardConfig, ShardMsg, ShardStats};
+pub use actor::{spawn_shard, Refused, ShardConfig, ShardMsg, ShardStats, TenantFailure};
 pub use claims::ClaimRecord;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use tenant::{Applied, BucketRecord, Changes, ClaimChange, TenantSnapshot, TenantState};

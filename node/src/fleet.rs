@@ -18,6 +18,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use ankusa_actors::actor::{ShardConfig, TenantFailure};
 use ankusa_bus::kv::{FleetKv, Heartbeat, KvWriter, LeaseError};
 use ankusa_bus::persist::Persistence;
 use ankusa_bus::responder::ServeWindow;
@@ -265,6 +266,34 @@ impl Fleet {
         waiting
     }
 
+    /// Restarts every shard whose actor failed, from its state in KV (claims are
+    /// written there before they are answered, so none is lost).
+    async fn restart_failed(&mut self) {
+        for shard in self.host.failed() {
+            let Some(window) = self.held.get(&shard).map(|h| h.window.clone()) else {
+                continue;
+            };
+            tracing::error!(shard, "shard actor failed; reloading it from KV");
+            metrics::counter!("ankusa_shard_restarts_total").increment(1);
+            let _ = self.host.release(shard).await;
+            let restarted = match self.kv.load_shard(shard).await {
+                Ok(state) => self
+                    .host
+                    .serve(shard, state, Some(window))
+                    .await
+                    .map_err(|e| e.to_string()),
+                Err(err) => Err(err.to_string()),
+            };
+            if let Err(err) = restarted {
+                tracing::error!(shard, error = %err, "cannot restart shard; handing it back");
+                if let Some(held) = self.held.remove(&shard) {
+                    held.window.close();
+                    let _ = self.kv.release_lease(shard, held.revision).await;
+                }
+            }
+        }
+    }
+
     async fn leave(&mut self) {
         self.health.set_shutting_down();
         if let Err(err) = self.kv.leave(&self.config.node_id).await {
@@ -339,7 +368,11 @@ pub async fn run(
         client,
         config.subjects(),
         config.shards,
-        shard_config(&config),
+        ShardConfig {
+            // KV holds every answered claim: a failed tenant is reloaded with its shard.
+            on_tenant_failure: TenantFailure::Escalate,
+            ..shard_config(&config)
+        },
         Persistence::Kv(writer.clone()),
     );
     let wake = Arc::new(Notify::new());
@@ -371,6 +404,7 @@ pub async fn run(
                 .set_shards(fleet.held.len(), fleet.targets().len());
         }
         if now >= next_tick {
+            fleet.restart_failed().await;
             fleet.host.tick();
             export_stats(&fleet.host).await;
             next_tick = now + Duration::from_secs(1);

@@ -15,7 +15,7 @@ use ankusa_bus::persist::Persistence;
 use ankusa_bus::responder::{ServeWindow, ShardContext, ShardResponder};
 use ankusa_bus::Subjects;
 use ractor::rpc::CallResult;
-use ractor::ActorRef;
+use ractor::{ActorRef, ActorStatus};
 
 /// Why a shard could not be started.
 #[derive(Debug, thiserror::Error)]
@@ -140,6 +140,21 @@ impl ShardHost {
         for shard in self.serving() {
             let _ = self.release(shard).await;
         }
+    }
+
+    /// Served shards whose actor has stopped on its own: it failed, and its
+    /// owner must restart it.
+    pub fn failed(&self) -> Vec<u32> {
+        self.served
+            .iter()
+            .filter(|(_, s)| {
+                matches!(
+                    s.actor.get_status(),
+                    ActorStatus::Stopping | ActorStatus::Stopped
+                )
+            })
+            .map(|(&shard, _)| shard)
+            .collect()
     }
 
     /// Sends each shard its periodic tick (retire idle tenants, sweep claims).

@@ -93,10 +93,15 @@ pub fn describe_metrics() {
         "Time to load a shard's state from KV before serving it"
     );
     describe_gauge!("ankusa_nats_connected", "1 while connected to NATS");
+    describe_counter!(
+        "ankusa_shard_restarts_total",
+        "Shard actors that failed and were reloaded from KV"
+    );
     for counter in [
         "ankusa_kv_write_failures_total",
         "ankusa_lease_renew_failures_total",
         "ankusa_leases_lost_total",
+        "ankusa_shard_restarts_total",
     ] {
         metrics::counter!(counter).increment(0);
     }

@@ -102,6 +102,11 @@ async fn standalone(
     loop {
         tokio::select! {
             _ = ticks.tick() => {
+                for shard in host.failed() {
+                    tracing::error!(shard, "shard actor failed; restarting it empty (standalone keeps no state)");
+                    host.release(shard).await;
+                    host.serve(shard, Vec::new(), None).await?;
+                }
                 host.tick();
                 export_stats(&host).await;
             }
