@@ -276,6 +276,7 @@ impl Fleet {
             tracing::error!(shard, "shard actor failed; reloading it from KV");
             metrics::counter!("ankusa_shard_restarts_total").increment(1);
             let _ = self.host.release(shard).await;
+            self.writer.flush_buckets(Some(shard)).await;
             let restarted = match self.kv.load_shard(shard).await {
                 Ok(state) => self
                     .host
