@@ -316,9 +316,15 @@ async fn open_kv(
 ) -> Option<FleetKv> {
     let mut pause = Duration::from_millis(100);
     loop {
-        match FleetKv::open(client.clone(), &config.instance, config.kv_replicas).await {
-            Ok(kv) => return Some(kv),
-            Err(err) => tracing::warn!(error = %err, "JetStream KV not reachable yet; retrying"),
+        // A fresh cluster may take a while to place replicated buckets; bound each
+        // attempt so the node keeps saying what it waits for.
+        let attempt = FleetKv::open(client.clone(), &config.instance, config.kv_replicas);
+        match tokio::time::timeout(Duration::from_secs(5), attempt).await {
+            Ok(Ok(kv)) => return Some(kv),
+            Ok(Err(err)) => {
+                tracing::warn!(error = %err, "JetStream KV not reachable yet; retrying")
+            }
+            Err(_) => tracing::warn!("opening the KV buckets took over 5 s; retrying"),
         }
         tokio::select! {
             _ = tokio::time::sleep(pause) => {}
