@@ -310,3 +310,24 @@ async fn nats_down_at_start_then_coming_back() {
     );
     assert!(edge.stats().fleet_answers >= 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_node_means_no_responders_within_the_deadline() {
+    let nats = NatsServer::start().await.expect("nats-server starts");
+    let store = connected(&nats.url()).await;
+    for budget_ms in [5, 50, 200] {
+        let budget = Duration::from_millis(budget_ms);
+        let started = Instant::now();
+        let result = store.hit(hit("acme", "k", "h"), budget).await;
+        let took = started.elapsed();
+        assert_eq!(result, Err(StoreError::NoResponders), "budget {budget:?}");
+        assert!(
+            took <= budget + Duration::from_millis(5),
+            "{took:?} for {budget:?}"
+        );
+        // It kept retrying (a handoff may end) instead of giving up at once.
+        if budget_ms >= 50 {
+            assert!(took >= budget / 2, "gave up after {took:?} of {budget:?}");
+        }
+    }
+}
