@@ -1,0 +1,531 @@
+//! Security against real, locked-down nats-servers and real `ankusa-node`s:
+//!
+//! - user/password with per-user permissions, loaded from the deploy file
+//!   `deploy/nats/permissions.conf` itself (so the documented example and what is
+//!   tested cannot drift apart): the node (fleet mode, so its KV use is covered)
+//!   serves with exactly those rights, the edge works end to end; an edge without
+//!   or with wrong credentials never reaches the fleet (`Disconnected`, and the
+//!   degrading edge answers locally); an authenticated user without publish
+//!   rights on the shard subjects never gets an answer; an edge cannot pose as a
+//!   node or write the instance's KV;
+//! - token and nkey authentication;
+//! - TLS with a private CA, and client certificates (`verify: true`).
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use ankusa_actors::{HitOutcome, SettleOutcome, Settlement};
+use ankusa_bus::edge::{Edge, EdgeConfig, LocalReason, Source};
+use ankusa_bus::{FleetConfig, FleetStore, NatsOptions, Store, StoreError};
+use ankusa_tests::requests::{hit, settle};
+use ankusa_tests::{wait_until, NatsServer, NodeProcess, NodeSpec, ServerConfig};
+use futures::StreamExt;
+
+const SHARDS: u32 = 16;
+const INSTANCE: &str = "prod";
+const T: Duration = Duration::from_millis(500);
+const NODE_PASSWORD: &str = "node-secret-0008";
+const EDGE_PASSWORD: &str = "edge-secret-0008";
+
+/// The deploy file, with its password variables defined and `extra_users` added
+/// to its user list.
+fn permissions_conf(extra_users: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/nats/permissions.conf");
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    let users = "  users = [\n";
+    assert!(text.contains(users), "the file has a user list");
+    format!(
+        "ANKUSA_NODE_PASSWORD: \"{NODE_PASSWORD}\"\nANKUSA_EDGE_PASSWORD: \"{EDGE_PASSWORD}\"\n{}",
+        text.replacen(users, &format!("{users}{extra_users}\n"), 1)
+    )
+}
+
+fn options(url: &str, tweak: impl FnOnce(&mut NatsOptions)) -> NatsOptions {
+    let mut nats = NatsOptions::with_servers([url]);
+    // Retry quickly, so a refused client is seen retrying within the test.
+    nats.max_reconnect_delay_ms = 200;
+    tweak(&mut nats);
+    nats
+}
+
+async fn store(nats: NatsOptions) -> FleetStore {
+    let mut config = FleetConfig::new(nats, INSTANCE);
+    config.shards = SHARDS;
+    FleetStore::connect(config).await.expect("valid config")
+}
+
+async fn wait_connected(store: &FleetStore) {
+    wait_until(Duration::from_secs(10), || async {
+        store.nats().connection_state() == async_nats::connection::State::Connected
+    })
+    .await
+    .expect("edge connects");
+}
+
+fn node_spec(id: &str, url: &str, mode: &str, auth: &[&str]) -> NodeSpec {
+    let mut spec = if mode == "fleet" {
+        NodeSpec::fleet(id, vec![url.to_string()])
+    } else {
+        NodeSpec::standalone(id, vec![url.to_string()])
+    };
+    spec.instance = INSTANCE.into();
+    spec.shards = SHARDS;
+    spec.extra_args = auth.iter().map(|s| s.to_string()).collect();
+    spec
+}
+
+async fn start_node(spec: NodeSpec) -> NodeProcess {
+    let node = NodeProcess::start(spec).expect("node starts");
+    node.wait_ready(Duration::from_secs(20))
+        .await
+        .expect("node ready");
+    node
+}
+
+/// The full round of a hook: Ok, commit, then Duplicate for a replay.
+async fn round_trip(store: &FleetStore, tenant: &str, key: &str) {
+    assert_eq!(
+        store.hit(hit(tenant, key, "h1"), T).await,
+        Ok(HitOutcome::Ok)
+    );
+    assert_eq!(
+        store
+            .settle(settle(tenant, key, "h1", Settlement::Commit), T)
+            .await,
+        Ok(SettleOutcome::Ok)
+    );
+    assert_eq!(
+        store.hit(hit(tenant, key, "h2"), T).await,
+        Ok(HitOutcome::Duplicate {
+            hook_id: "h1".into()
+        })
+    );
+}
+
+/// An edge the server refuses: it must keep failing fast with `Disconnected`
+/// (never an answer from the fleet) and the degrading edge must answer locally.
+async fn assert_locked_out(nats: NatsOptions, what: &str) {
+    let store = store(nats).await;
+    let until = Instant::now() + Duration::from_millis(1500);
+    let mut calls = 0;
+    while Instant::now() < until {
+        calls += 1;
+        let got = store
+            .hit(hit("acme", &format!("{what}-{calls}"), "h"), T)
+            .await;
+        assert_eq!(got, Err(StoreError::Disconnected), "{what}: call {calls}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_ne!(
+        store.nats().connection_state(),
+        async_nats::connection::State::Connected,
+        "{what}: the server let it in"
+    );
+    let edge = Edge::new(store, EdgeConfig::default());
+    let answer = edge
+        .hit(hit("acme", what, "h"), T)
+        .await
+        .expect("a local answer");
+    assert_eq!(answer.outcome, HitOutcome::Ok);
+    assert_eq!(
+        answer.source,
+        Source::Local {
+            reason: LocalReason::Disconnected
+        },
+        "{what}"
+    );
+}
+
+/// Lines of the server's log reporting a permissions violation.
+fn violations(nats: &NatsServer) -> Vec<String> {
+    std::fs::read_to_string(nats.log_path())
+        .unwrap_or_default()
+        .lines()
+        // nats-server 2.11+: `... - "$G/user:<name>" - Publish Violation - Subject "<s>"`.
+        .filter(|l| l.contains(" Violation - "))
+        .map(str::to_string)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_documented_permissions_let_node_and_edge_work_and_nobody_else() {
+    let intruder = r#"    { user = "intruder", password = "intruder-pw", permissions = { publish = { allow = ["_INBOX.>"] }, subscribe = { allow = ["_INBOX.>"] } } }"#;
+    let nats = NatsServer::start_with(ServerConfig::new().append(&permissions_conf(intruder)))
+        .await
+        .expect("nats-server with the deploy permissions starts");
+    let url = nats.url();
+
+    // The node in fleet mode: subjects, KV buckets, leases, heartbeats, all
+    // within the rights the file gives it.
+    let mut node = start_node(node_spec(
+        "secure",
+        &url,
+        "fleet",
+        &[
+            "--nats-user",
+            "ankusa-node",
+            "--nats-password",
+            NODE_PASSWORD,
+        ],
+    ))
+    .await;
+
+    let edge = store(options(&url, |o| {
+        o.user = Some("ankusa-edge".into());
+        o.password = Some(EDGE_PASSWORD.into());
+    }))
+    .await;
+    wait_connected(&edge).await;
+    round_trip(&edge, "acme", "evt-1").await;
+    round_trip(&edge, "other.tenant", "evt-2").await;
+    let node_violations: Vec<_> = violations(&nats)
+        .into_iter()
+        .filter(|l| l.contains("user:ankusa-node"))
+        .collect();
+    assert!(
+        node_violations.is_empty(),
+        "the node needed rights the file does not give: {node_violations:#?}"
+    );
+
+    // No credentials, a wrong password, the node's password for the edge user:
+    // all locked out.
+    assert_locked_out(options(&url, |_| {}), "anonymous").await;
+    assert_locked_out(
+        options(&url, |o| {
+            o.user = Some("ankusa-edge".into());
+            o.password = Some("guess".into());
+        }),
+        "wrong-password",
+    )
+    .await;
+    assert_locked_out(
+        options(&url, |o| {
+            o.user = Some("ankusa-edge".into());
+            o.password = Some(NODE_PASSWORD.into());
+        }),
+        "crossed-password",
+    )
+    .await;
+
+    // Authenticated, but without publish rights on the shard subjects: the
+    // request is dropped by the server, so no answer can ever come.
+    let intruder = store(options(&url, |o| {
+        o.user = Some("intruder".into());
+        o.password = Some("intruder-pw".into());
+    }))
+    .await;
+    wait_connected(&intruder).await;
+    for i in 0..3 {
+        let got = intruder
+            .hit(hit("acme", &format!("intrude-{i}"), "x"), T)
+            .await;
+        assert!(
+            matches!(got, Err(StoreError::Timeout(_))),
+            "an intruder got {got:?}"
+        );
+    }
+    // Nor did its attempts leave a trace: the key is still free for the real edge.
+    assert_eq!(
+        edge.hit(hit("acme", "intrude-0", "h"), T).await,
+        Ok(HitOutcome::Ok)
+    );
+
+    // The edge user cannot pose as a node: its subscription to a shard subject
+    // is refused and it never sees a request, while the real node answers.
+    let impostor = async_nats::ConnectOptions::with_user_and_password(
+        "ankusa-edge".into(),
+        EDGE_PASSWORD.into(),
+    )
+    .connect(url.as_str())
+    .await
+    .expect("the edge user connects");
+    let shard = ankusa_bus::shard_of("acme", SHARDS);
+    let mut stolen = impostor
+        .subscribe(format!("ankusa.{INSTANCE}.shard.{shard}"))
+        .await
+        .expect("subscribe is sent (the server refuses it)");
+    // Nor may it write the instance's KV: a forged lease, a forged claim.
+    impostor
+        .publish(
+            format!("$KV.ankusa_{INSTANCE}_leases.s.{shard}"),
+            "mine".into(),
+        )
+        .await
+        .expect("publish is sent (the server drops it)");
+    impostor
+        .publish(
+            format!("$KV.ankusa_{INSTANCE}_state.c.{shard}.forged"),
+            "x".into(),
+        )
+        .await
+        .expect("publish is sent (the server drops it)");
+    impostor.flush().await.expect("flush");
+    assert_eq!(
+        edge.hit(hit("acme", "evt-after-impostor", "h"), T).await,
+        Ok(HitOutcome::Ok)
+    );
+    let heard = tokio::time::timeout(Duration::from_millis(300), stolen.next()).await;
+    assert!(
+        !matches!(heard, Ok(Some(_))),
+        "the edge user received a request meant for a node"
+    );
+    // The server says why, for the operator.
+    let log = violations(&nats).join("\n");
+    for what in [
+        format!("user:intruder\" - Publish Violation - Subject \"ankusa.{INSTANCE}.shard.{shard}\""),
+        format!("user:ankusa-edge\" - Subscription Violation - Subject \"ankusa.{INSTANCE}.shard.{shard}\""),
+        format!("user:ankusa-edge\" - Publish Violation - Subject \"$KV.ankusa_{INSTANCE}_leases.s.{shard}\""),
+        format!("user:ankusa-edge\" - Publish Violation - Subject \"$KV.ankusa_{INSTANCE}_state.c.{shard}.forged\""),
+    ] {
+        assert!(
+            log.contains(&what),
+            "not logged: {what}\n{}",
+            nats.log_tail(30)
+        );
+    }
+    // And the node kept its lease through all of it.
+    assert!(node.is_ready().await, "{}", node.log_tail(20));
+
+    // A graceful stop hands the leases back and says goodbye in KV: within the
+    // file's rights as well.
+    node.stop().await.expect("node stops");
+    let node_violations: Vec<_> = violations(&nats)
+        .into_iter()
+        .filter(|l| l.contains("user:ankusa-node"))
+        .collect();
+    assert!(
+        node_violations.is_empty(),
+        "the node needed rights the file does not give: {node_violations:#?}"
+    );
+    let log = node.log();
+    assert!(
+        log.contains("node left the fleet")
+            && !log.contains("lease release failed")
+            && !log.contains("could not withdraw heartbeat"),
+        "no clean leave: {}",
+        node.log_tail(20)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_and_nkey_authentication() {
+    // Token.
+    let nats = NatsServer::start_with(
+        ServerConfig::new().append("authorization { token: \"tok-0008-secret\" }"),
+    )
+    .await
+    .expect("nats-server with a token starts");
+    let url = nats.url();
+    let _node = start_node(node_spec(
+        "token",
+        &url,
+        "standalone",
+        &["--nats-token", "tok-0008-secret"],
+    ))
+    .await;
+    let edge = store(options(&url, |o| o.token = Some("tok-0008-secret".into()))).await;
+    wait_connected(&edge).await;
+    round_trip(&edge, "acme", "tok-1").await;
+    assert_locked_out(
+        options(&url, |o| o.token = Some("wrong".into())),
+        "wrong-token",
+    )
+    .await;
+    assert_locked_out(options(&url, |_| {}), "no-token").await;
+
+    // Nkeys: the server knows only public keys; the clients hold the seeds.
+    let node_key = nkeys::KeyPair::new_user();
+    let edge_key = nkeys::KeyPair::new_user();
+    let stranger = nkeys::KeyPair::new_user();
+    let nats = NatsServer::start_with(ServerConfig::new().append(&format!(
+        "authorization {{ users = [ {{ nkey: \"{}\" }}, {{ nkey: \"{}\" }} ] }}",
+        node_key.public_key(),
+        edge_key.public_key()
+    )))
+    .await
+    .expect("nats-server with nkeys starts");
+    let url = nats.url();
+    let seed = |k: &nkeys::KeyPair| k.seed().expect("a user key has a seed");
+    let _node = start_node(node_spec(
+        "nkey",
+        &url,
+        "standalone",
+        &["--nats-nkey-seed", &seed(&node_key)],
+    ))
+    .await;
+    let edge = store(options(&url, |o| o.nkey_seed = Some(seed(&edge_key)))).await;
+    wait_connected(&edge).await;
+    round_trip(&edge, "acme", "nkey-1").await;
+    assert_locked_out(
+        options(&url, |o| o.nkey_seed = Some(seed(&stranger))),
+        "unknown-nkey",
+    )
+    .await;
+}
+
+/// A private CA and, signed by it, a server certificate for 127.0.0.1 and client
+/// certificates, as PEM files in `dir`.
+struct Pki {
+    ca: PathBuf,
+    server_cert: PathBuf,
+    server_key: PathBuf,
+    client_cert: PathBuf,
+    client_key: PathBuf,
+    /// A client certificate from another CA.
+    rogue_cert: PathBuf,
+    rogue_key: PathBuf,
+}
+
+fn make_ca(name: &str) -> (rcgen::Certificate, rcgen::Issuer<'static, rcgen::KeyPair>) {
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, name);
+    params.key_usages = vec![
+        rcgen::KeyUsagePurpose::KeyCertSign,
+        rcgen::KeyUsagePurpose::DigitalSignature,
+    ];
+    let key = rcgen::KeyPair::generate().expect("CA key");
+    let cert = params.self_signed(&key).expect("CA certificate");
+    (cert, rcgen::Issuer::new(params, key))
+}
+
+fn make_leaf(
+    issuer: &rcgen::Issuer<'static, rcgen::KeyPair>,
+    names: &[&str],
+    usage: rcgen::ExtendedKeyUsagePurpose,
+    dir: &Path,
+    stem: &str,
+) -> (PathBuf, PathBuf) {
+    let mut params =
+        rcgen::CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+            .expect("params");
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, stem);
+    params.extended_key_usages = vec![usage];
+    params.use_authority_key_identifier_extension = true;
+    let key = rcgen::KeyPair::generate().expect("key");
+    let cert = params.signed_by(&key, issuer).expect("signed certificate");
+    let cert_path = dir.join(format!("{stem}.pem"));
+    let key_path = dir.join(format!("{stem}-key.pem"));
+    std::fs::write(&cert_path, cert.pem()).expect("write cert");
+    std::fs::write(&key_path, key.serialize_pem()).expect("write key");
+    (cert_path, key_path)
+}
+
+fn make_pki(dir: &Path) -> Pki {
+    let (ca_cert, ca) = make_ca("ankusa test CA");
+    let ca_path = dir.join("ca.pem");
+    std::fs::write(&ca_path, ca_cert.pem()).expect("write CA");
+    let (server_cert, server_key) = make_leaf(
+        &ca,
+        &["127.0.0.1", "localhost"],
+        rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+        dir,
+        "server",
+    );
+    let (client_cert, client_key) = make_leaf(
+        &ca,
+        &["ankusa-client"],
+        rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+        dir,
+        "client",
+    );
+    let (_, rogue_ca) = make_ca("someone else's CA");
+    let (rogue_cert, rogue_key) = make_leaf(
+        &rogue_ca,
+        &["rogue"],
+        rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+        dir,
+        "rogue",
+    );
+    Pki {
+        ca: ca_path,
+        server_cert,
+        server_key,
+        client_cert,
+        client_key,
+        rogue_cert,
+        rogue_key,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_with_a_private_ca_and_client_certificates() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let pki = make_pki(dir.path());
+    let path = |p: &Path| p.display().to_string();
+
+    // The server requires TLS and verifies client certificates against the CA.
+    let nats = NatsServer::start_with(ServerConfig::new().append(&format!(
+        "tls {{\n  cert_file: \"{}\"\n  key_file: \"{}\"\n  ca_file: \"{}\"\n  verify: true\n  timeout: 2\n}}",
+        path(&pki.server_cert),
+        path(&pki.server_key),
+        path(&pki.ca)
+    )))
+    .await
+    .expect("nats-server with TLS starts");
+    let url = nats.url();
+
+    let _node = start_node(node_spec(
+        "tls",
+        &url,
+        "standalone",
+        &[
+            "--nats-tls-ca",
+            &path(&pki.ca),
+            "--nats-tls-cert",
+            &path(&pki.client_cert),
+            "--nats-tls-key",
+            &path(&pki.client_key),
+            "--nats-require-tls",
+            "true",
+        ],
+    ))
+    .await;
+
+    let with_cert = |o: &mut NatsOptions| {
+        o.tls_ca = Some(pki.ca.clone());
+        o.tls_cert = Some(pki.client_cert.clone());
+        o.tls_key = Some(pki.client_key.clone());
+        o.require_tls = true;
+    };
+    let edge = store(options(&url, with_cert)).await;
+    wait_connected(&edge).await;
+    round_trip(&edge, "acme", "tls-1").await;
+
+    // Trusting the CA is not enough: the server wants a client certificate.
+    assert_locked_out(
+        options(&url, |o| {
+            o.tls_ca = Some(pki.ca.clone());
+            o.require_tls = true;
+        }),
+        "no-client-cert",
+    )
+    .await;
+    // A client certificate from another CA is refused.
+    assert_locked_out(
+        options(&url, |o| {
+            o.tls_ca = Some(pki.ca.clone());
+            o.tls_cert = Some(pki.rogue_cert.clone());
+            o.tls_key = Some(pki.rogue_key.clone());
+            o.require_tls = true;
+        }),
+        "rogue-client-cert",
+    )
+    .await;
+    // And a client that does not trust the private CA will not talk to the
+    // server (it cannot tell it from an impostor).
+    assert_locked_out(
+        options(&url, |o| {
+            o.tls_cert = Some(pki.client_cert.clone());
+            o.tls_key = Some(pki.client_key.clone());
+            o.require_tls = true;
+        }),
+        "untrusted-server",
+    )
+    .await;
+}
