@@ -304,6 +304,11 @@ impl Corpus {
                     .collect();
                 self.shot(Request::new(1000, Op::Batch(items)).encode(), Expect::Batch)
             }
+            // The largest budget there is: must not overflow the node's clock.
+            31 if rng.random_bool(0.5) => self.shot(
+                Request::new(u64::MAX, hit_op).encode(),
+                Expect::HitOrExpired,
+            ),
             // No reply subject: must be ignored (and counted).
             23 => Shot {
                 subject: self.target.clone(),
