@@ -6,16 +6,19 @@
 #                             edge batching, p99 at half the fleet's peak), K times
 #   ankusa bench durable     (KV group commit vs sequential puts)
 #   ankusa bench recovery    (load 100,000 claims of one shard)
-#   ankusa bench memory      (node RSS per committed claim / idle tenant, each on a
-#                             fresh standalone node)
-# and prints everything. Every process it starts is stopped on exit.
+#   ankusa bench memory      (with --memory: node RSS per committed claim, per
+#                             idle tenant and its control, each on a fresh
+#                             standalone node; adds about 6 minutes)
+# and prints everything. Every process it starts is stopped on exit. The default
+# run takes about 4 minutes once built.
 #
 #   scripts/bench.sh [--duration S] [--nodes N] [--shards S] [--runs K]
-#                    [--no-memory] [--memory-count N] [--out DIR]
+#                    [--memory | --memory-only] [--memory-count N]
+#                    [--memory-what 'claims tenants control'] [--out DIR]
 #   scripts/bench.sh --scale [--duration S]   # 1, 2, 4 nodes x 16, 64, 256 shards
 set -euo pipefail
 
-duration=6 nodes=3 shards=64 runs=2 scale=0 memory=1 memory_count=1000000 out=""
+duration=6 nodes=3 shards=64 runs=2 scale=0 memory=0 main=1 memory_what="claims tenants control" memory_count=1000000 out=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --duration) duration=$2; shift 2 ;;
@@ -23,10 +26,13 @@ while [ $# -gt 0 ]; do
     --shards) shards=$2; shift 2 ;;
     --runs) runs=$2; shift 2 ;;
     --scale) scale=1; shift ;;
+    --memory) memory=1; shift ;;
     --no-memory) memory=0; shift ;;
+    --memory-only) memory=1 main=0; shift ;;
     --memory-count) memory_count=$2; shift 2 ;;
+    --memory-what) memory_what=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "bench.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -112,7 +118,7 @@ wait_fleet() { # instance, nshards
   for t in $(seq 600); do
     ok=1
     for addr in "${node_https[@]}"; do
-      curl -fsS -o /dev/null --max-time 1 "http://$addr/readyz" || { ok=0; break; }
+      curl -fsS -o /dev/null --max-time 1 "http://$addr/readyz" 2>/dev/null || { ok=0; break; }
     done
     if [ "$ok" = 1 ] && "$cli_bin" --nats "$nats_url" --instance "$1" --shards "$2" \
         status --json 2>/dev/null | python3 -c 'import json,sys; sys.exit(0 if not json.load(sys.stdin)["unowned"] else 1)'; then
@@ -169,6 +175,7 @@ EOF
   exit 0
 fi
 
+if [ "$main" = 1 ]; then
 echo "== fleet: $nodes node(s), $shards shards =="
 start_fleet bench "$nodes" "$shards"
 cli --instance bench --shards "$shards" status
@@ -182,12 +189,13 @@ cli bench durable --json "$out/durable.json" | tee "$out/durable.txt"
 echo; echo "== recovery =="
 cli bench recovery --json "$out/recovery.json" | tee "$out/recovery.txt"
 stop_fleet
+fi
 
 if [ "$memory" = 1 ]; then
   # Fresh standalone nodes, so nothing but the measured state lives in them;
   # a short idle time so tenants retire (park) within the run.
   printf 'idle_after_ms = 2000\nsweep_every_ms = 60000\n' >"$work/memory.toml"
-  for what in claims tenants; do
+  for what in $memory_what; do
     echo; echo "== memory: $what =="
     port=$(free_port)
     "$node_bin" --config "$work/memory.toml" --mode standalone --nats "$nats_url" \
@@ -196,9 +204,9 @@ if [ "$memory" = 1 ]; then
     pid=$!
     pids+=($pid)
     node_pids=($pid) node_https=("127.0.0.1:$port")
-    for _ in $(seq 100); do curl -fsS -o /dev/null --max-time 1 "http://127.0.0.1:$port/readyz" && break; sleep 0.1; done
+    for _ in $(seq 100); do curl -fsS -o /dev/null --max-time 1 "http://127.0.0.1:$port/readyz" 2>/dev/null && break; sleep 0.1; done
     cli --instance "mem_$what" --shards 64 bench memory --pid "$pid" --http "127.0.0.1:$port" \
-      --what "$what" --count "$memory_count" --json "$out/memory-$what.json" | tee "$out/memory-$what.txt"
+      --what "$what" --count "$memory_count" --settle-wait-s 150 --json "$out/memory-$what.json" | tee "$out/memory-$what.txt"
     stop_fleet
   done
 fi

@@ -12,6 +12,10 @@
 //!   whose buckets stay non-full for 10 minutes; once the node has retired
 //!   them all to its parked map (start it with a short `idle_after_ms`), figure
 //!   = ΔRSS / parked tenants (`ankusa_tenants_parked`).
+//! - `--what control`: as `tenants`, but each bucket is full again 1 ms after
+//!   its hit, so retired tenants are dropped. Run on a fresh node, its ΔRSS is
+//!   what the churn of the tenants' actors alone leaves behind; `tenants` minus
+//!   `control` is what the parked state costs.
 //!
 //! ΔRSS counts everything the load left behind: the state itself, the hash
 //! tables' spare room, and heap the allocator keeps after the actors that
@@ -40,6 +44,10 @@ pub enum What {
     Claims,
     /// Idle (parked) tenants with non-full buckets
     Tenants,
+    /// The control for `tenants`: the same calls, but buckets that are full
+    /// again within 1 ms, so retired tenants are dropped, not parked. What it
+    /// leaves in RSS is the allocator keeping the retired actors' heap.
+    Control,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -180,12 +188,18 @@ pub async fn memory(global: &Global, args: &MemoryArgs) -> Result<(), CliError> 
                             _ => false,
                         }
                     }
-                    What::Tenants => {
+                    What::Tenants | What::Control => {
                         let tenant = format!("idle{run}-{i}");
                         // 60 s per hook: the buckets stay non-full for ten
                         // minutes, so the retired tenant must be kept, parked.
+                        // The control's 1 ms lets it be dropped instead.
+                        let increment_us = if what == What::Tenants {
+                            60_000_000
+                        } else {
+                            1000
+                        };
                         let req = HitRequest {
-                            charges: charges(&tenant, 60_000_000),
+                            charges: charges(&tenant, increment_us),
                             claim: None,
                         };
                         matches!(store.hit(req, timeout).await, Ok(HitOutcome::Ok))
@@ -214,7 +228,7 @@ pub async fn memory(global: &Global, args: &MemoryArgs) -> Result<(), CliError> 
         tokio::time::sleep(Duration::from_secs(2)).await;
         let live = match what {
             What::Claims => gauge(&args.http, "ankusa_claims").await,
-            What::Tenants => {
+            What::Tenants | What::Control => {
                 let active = gauge(&args.http, "ankusa_tenants_active").await;
                 let parked = gauge(&args.http, "ankusa_tenants_parked").await;
                 match (active, parked) {
@@ -226,6 +240,8 @@ pub async fn memory(global: &Global, args: &MemoryArgs) -> Result<(), CliError> 
         };
         match live {
             Some(n) if what == What::Claims || n as u64 >= answered_ok => break n as u64,
+            // Every control tenant is dropped: the count is what was created.
+            Some(_) if what == What::Control => break answered_ok,
             Some(n) if Instant::now() >= wait_until => break n as u64,
             None if Instant::now() >= wait_until => {
                 return Err(CliError::Other(format!(
@@ -240,7 +256,7 @@ pub async fn memory(global: &Global, args: &MemoryArgs) -> Result<(), CliError> 
     let per = rss_after.saturating_sub(rss_before) as f64 / live.max(1) as f64;
     let target = match what {
         What::Claims => 300.0,
-        What::Tenants => 150.0,
+        What::Tenants | What::Control => 150.0,
     };
     let report = MemoryReport {
         what,
@@ -259,6 +275,7 @@ pub async fn memory(global: &Global, args: &MemoryArgs) -> Result<(), CliError> 
     let noun = match what {
         What::Claims => "live committed claim",
         What::Tenants => "idle (parked) tenant, 2 buckets",
+        What::Control => "dropped tenant (control: actor churn only)",
     };
     println!(
         "memory ({:?}): node RSS {:.1} MiB -> {:.1} MiB (peak {:.1} MiB) for {} live; {:.0} bytes per {noun} (target < {target:.0}: {})",
