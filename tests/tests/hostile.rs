@@ -385,7 +385,7 @@ impl Corpus {
 }
 
 /// Items in each batch of 1 ms requests.
-const EXPIRING_BATCH: usize = 64;
+const EXPIRING_BATCH: usize = 32;
 
 /// Varieties `Corpus::pick` knows, the last being random bytes.
 const VARIETIES: usize = 32;
@@ -742,7 +742,7 @@ async fn a_standalone_node_survives_a_hostile_flood_and_counts_what_it_refused()
     let mut node = start_node(NodeSpec::standalone("hostile", vec![nats.url()])).await;
 
     let (flood, mut edge) =
-        flood_while_serving(&nats, &mut node, 20_000, Duration::from_secs(4)).await;
+        flood_while_serving(&nats, &mut node, 20_000, Duration::from_secs(6)).await;
     eprintln!(
         "flood: {} sent in {:?} ({} with a reply subject, {} without), {} replies, codes {:?}, {}/{} batch items expired",
         flood.sent,
