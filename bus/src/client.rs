@@ -92,6 +92,8 @@ pub struct FleetStore {
 }
 
 const FIRST_RETRY: Duration = Duration::from_millis(2);
+/// The granularity of tokio's timer.
+const TIMER_TICK: Duration = Duration::from_millis(1);
 const MAX_RETRY: Duration = Duration::from_millis(50);
 
 impl FleetStore {
@@ -147,7 +149,11 @@ impl FleetStore {
                 self.inner.send(shard, op, deadline).await
             }
         };
-        match tokio::time::timeout_at(deadline, work).await {
+        // The timer fires on a millisecond tick at or after the instant it is
+        // given, and the thread it wakes needs a moment more: aim one tick early
+        // so that the answer is out by the deadline, not just after it.
+        let alarm = deadline - TIMER_TICK.min(timeout / 10);
+        match tokio::time::timeout_at(alarm, work).await {
             Ok(Err(StoreError::Timeout(_))) | Err(_) => Err(StoreError::Timeout(timeout)),
             Ok(result) => result,
         }
