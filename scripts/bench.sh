@@ -14,11 +14,11 @@
 #
 #   scripts/bench.sh [--duration S] [--nodes N] [--shards S] [--runs K]
 #                    [--memory | --memory-only] [--memory-count N]
-#                    [--memory-what 'claims tenants control'] [--out DIR]
+#                    [--memory-what 'claims tenants control parked'] [--out DIR]
 #   scripts/bench.sh --scale [--duration S]   # 1, 2, 4 nodes x 16, 64, 256 shards
 set -euo pipefail
 
-duration=6 nodes=3 shards=64 runs=2 scale=0 memory=0 main=1 memory_what="claims tenants control" memory_count=1000000 out=""
+duration=6 nodes=3 shards=64 runs=2 scale=0 memory=0 main=1 memory_what="claims tenants control parked" memory_count=1000000 out=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --duration) duration=$2; shift 2 ;;
@@ -196,6 +196,7 @@ if [ "$memory" = 1 ]; then
   # a short idle time so tenants retire (park) within the run.
   printf 'idle_after_ms = 2000\nsweep_every_ms = 60000\n' >"$work/memory.toml"
   for what in $memory_what; do
+    case $what in claims|tenants|control) ;; *) continue ;; esac
     echo; echo "== memory: $what =="
     port=$(free_port)
     "$node_bin" --config "$work/memory.toml" --mode standalone --nats "$nats_url" \
@@ -209,5 +210,37 @@ if [ "$memory" = 1 ]; then
       --what "$what" --count "$memory_count" --settle-wait-s 150 --json "$out/memory-$what.json" | tee "$out/memory-$what.txt"
     stop_fleet
   done
+  if [[ " $memory_what " == *" parked "* ]]; then
+    # Idle tenants with no actor ever started: written to KV, then loaded by a
+    # fleet node straight into its parked map. Compared with a node of an empty
+    # instance, started the same way.
+    rss_kb() { awk '/^VmRSS:/ {print $2}' "/proc/$1/status"; }
+    start_mem_node() { # instance
+      port=$(free_port)
+      "$node_bin" --mode fleet --nats "$nats_url" --instance "$1" --shards 64 --node-id "$1" \
+        --http-addr "127.0.0.1:$port" --log-level warn >"$work/$1.log" 2>&1 &
+      pid=$!
+      pids+=($pid)
+      node_pids=($pid) node_https=("127.0.0.1:$port")
+      for _ in $(seq 1200); do curl -fsS -o /dev/null --max-time 1 "http://127.0.0.1:$port/readyz" 2>/dev/null && break; sleep 0.1; done
+      sleep 3
+    }
+    echo; echo "== memory: parked tenants loaded from KV =="
+    start_mem_node mem_empty
+    empty_kb=$(rss_kb "$pid")
+    stop_fleet
+    cli --instance mem_parked --shards 64 bench seed-parked --count "$memory_count"
+    start_mem_node mem_parked
+    parked=0
+    for _ in $(seq 60); do
+      parked=$(curl -fsS --max-time 2 "http://127.0.0.1:$port/metrics" 2>/dev/null | awk '/^ankusa_tenants_parked / {print $2}')
+      [ "${parked:-0}" -ge "$memory_count" ] 2>/dev/null && break
+      sleep 1
+    done
+    parked_kb=$(rss_kb "$pid")
+    stop_fleet
+    python3 -c "import sys; e,p,n=map(float,sys.argv[1:]); b=(p-e)*1024/max(n,1); print(f'memory (parked, from KV): empty-instance node {e/1024:.1f} MiB, with {n:.0f} parked tenants {p/1024:.1f} MiB: {b:.0f} bytes per idle tenant (target < 150: {\"met\" if b < 150 else \"MISSED\"})')" \
+      "$empty_kb" "$parked_kb" "${parked:-0}" | tee "$out/memory-parked.txt"
+  fi
 fi
 echo; echo "results in $out"

@@ -57,6 +57,8 @@ pub enum BenchWhat {
     Recovery(super::kvbench::RecoveryArgs),
     /// Node RSS per committed claim or per idle tenant (drives a running node)
     Memory(super::memory::MemoryArgs),
+    /// Write idle tenants' buckets into KV, for a node to load them parked
+    SeedParked(super::memory::SeedArgs),
 }
 
 fn on_off(text: &str) -> Result<bool, String> {
@@ -107,7 +109,7 @@ pub struct WorkloadArgs {
     #[arg(long, default_value_t = 30_000)]
     pub ttl_ms: u64,
     /// Edge batching of the fleet client (on/off)
-    #[arg(long, default_value = "on", value_parser = on_off)]
+    #[arg(long, default_value = "on", value_parser = on_off, action = clap::ArgAction::Set)]
     pub batching: bool,
     /// Seed of the random choices
     #[arg(long, default_value_t = 1)]
@@ -158,6 +160,7 @@ pub async fn bench(global: &Global, args: BenchArgs) -> Result<(), CliError> {
         Some(BenchWhat::Durable(a)) => return super::kvbench::durable(global, a).await,
         Some(BenchWhat::Recovery(a)) => return super::kvbench::recovery(global, a).await,
         Some(BenchWhat::Memory(a)) => return super::memory::memory(global, a).await,
+        Some(BenchWhat::SeedParked(a)) => return super::memory::seed_parked(global, a).await,
         None => {}
     }
     let cfg = args.workload.config(global)?;

@@ -299,3 +299,65 @@ pub async fn memory(global: &Global, args: &MemoryArgs) -> Result<(), CliError> 
     }
     Ok(())
 }
+
+#[derive(Debug, Clone, Args)]
+pub struct SeedArgs {
+    /// Tenants whose (non-full) buckets to write into the instance's KV
+    #[arg(long, default_value_t = 1_000_000)]
+    pub count: u64,
+}
+
+/// `ankusa bench seed-parked`: writes `count` tenants' bucket TATs (ten
+/// minutes ahead, no claim) into the instance's KV, as a node's write-behind
+/// would. A fleet node started on the instance then loads every tenant straight
+/// into its parked map, with no actor ever started: its RSS over that of a node
+/// on an empty instance is what idle tenants alone cost.
+pub async fn seed_parked(global: &Global, args: &SeedArgs) -> Result<(), CliError> {
+    use ankusa_actors::{BucketRecord, Changes};
+    use ankusa_bus::kv::{now_unix_ms, FleetKv, KvWriter};
+
+    let client = global.nats_client(Duration::from_secs(5)).await?;
+    let kv = FleetKv::open(client, &global.instance, 1).await?;
+    // A write-behind period longer than the run: one explicit flush below.
+    let writer = KvWriter::start(kv, Duration::from_secs(3600));
+    let tat_us = (now_unix_ms() + 600_000) * 1000;
+    let start = Instant::now();
+    let run = std::process::id();
+    let mut written = 0u64;
+    // In slices, so the dirty map and the flush's futures stay small.
+    let mut next = 0u64;
+    while next < args.count {
+        let end = (next + 50_000).min(args.count);
+        for i in next..end {
+            let tenant = format!("idle{run}-{i}");
+            let changes = Changes {
+                claim: None,
+                buckets: vec![
+                    BucketRecord {
+                        kind: Kind::Hooks,
+                        tat_us,
+                    },
+                    BucketRecord {
+                        kind: Kind::Bytes,
+                        tat_us,
+                    },
+                ],
+            };
+            let shard = ankusa_bus::shard_of(&tenant, global.shards);
+            writer
+                .record(shard, &tenant, &changes)
+                .await
+                .map_err(|e| CliError::Other(format!("recording tenant {tenant}: {e}")))?;
+        }
+        writer.flush_buckets(None).await;
+        written = end;
+        next = end;
+    }
+    println!(
+        "seeded {written} tenants' buckets into instance {} ({} shards) in {:.1} s",
+        global.instance,
+        global.shards,
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
