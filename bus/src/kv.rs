@@ -614,7 +614,8 @@ impl KvWriter {
         metrics::histogram!("ankusa_kv_flush_buckets").record(batch.len() as f64);
         let now_us = now_unix_us();
         let bucket = &self.kv.state_bucket;
-        let writes = batch.into_iter().map(|((shard, tenant), tats)| {
+        let writes = batch.iter().map(|((shard, tenant), tats)| {
+            let (shard, tenant, tats) = (*shard, tenant.clone(), *tats);
             let key = buckets_key(shard, &tenant);
             let buckets: Vec<BucketRecord> = ankusa_actors::Kind::ALL
                 .iter()
@@ -636,12 +637,26 @@ impl KvWriter {
             self.submit(write)
         });
         let results = futures::future::join_all(writes).await;
-        let failed = results.iter().filter(|r| r.is_err()).count();
+        let mut failed = 0;
+        let mut dirty = self.dirty.lock().unwrap_or_else(|p| p.into_inner());
+        for ((tenant, tats), result) in batch.into_iter().zip(results) {
+            if result.is_ok() {
+                continue;
+            }
+            failed += 1;
+            // Back in for the next flush, unless the tenant moved on since.
+            let slot = dirty.entry(tenant).or_default();
+            for (newer, older) in slot.iter_mut().zip(tats) {
+                if newer.is_none() {
+                    *newer = older;
+                }
+            }
+        }
+        drop(dirty);
         if failed > 0 {
-            metrics::counter!("ankusa_kv_write_failures_total").increment(failed as u64);
             tracing::warn!(
                 failed,
-                "bucket write-behind failed; TATs may be stale on failover"
+                "bucket write-behind failed; retrying at the next flush"
             );
         }
     }
@@ -683,7 +698,9 @@ async fn commit_loop(js: jetstream::Context, mut rx: mpsc::Receiver<Submitted>) 
                 });
                 metrics::gauge!("ankusa_kv_writes_in_flight").set(acks.len() as f64);
             }
-            Some(()) = acks.next(), if !acks.is_empty() => {}
+            Some(()) = acks.next(), if !acks.is_empty() => {
+                metrics::gauge!("ankusa_kv_writes_in_flight").set(acks.len() as f64);
+            }
         }
     }
 }

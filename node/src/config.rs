@@ -89,14 +89,30 @@ impl Default for NodeConfig {
     }
 }
 
+/// The host's name, made a valid node id. Stable across restarts; several nodes
+/// on one host must each be given a `node_id`.
 fn default_node_id() -> String {
     let host = std::env::var("HOSTNAME")
         .ok()
         .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
-        .map(|h| h.trim().to_string())
-        .filter(|h| !h.is_empty())
-        .unwrap_or_else(|| "node".into());
-    format!("{host}-{}", std::process::id())
+        .unwrap_or_default();
+    let id: String = host
+        .trim()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(128)
+        .collect();
+    if id.is_empty() {
+        "node".into()
+    } else {
+        id
+    }
 }
 
 /// Flags and `ANKUSA_*` variables; each one set overrides the file.
@@ -105,7 +121,7 @@ pub struct Overrides {
     /// Fleet instance name (a-z, 0-9, `_`, `-`) [default: default]
     #[arg(long, env = "ANKUSA_INSTANCE")]
     pub instance: Option<String>,
-    /// This node's unique, stable name [default: <hostname>-<pid>]
+    /// This node's unique, stable name; set it when several nodes share a host [default: the host name]
     #[arg(long, env = "ANKUSA_NODE_ID")]
     pub node_id: Option<String>,
     /// Shards of the instance, 1..=4096; all nodes and edges must agree [default: 64]
@@ -159,6 +175,12 @@ pub struct Overrides {
     /// Bucket write-behind interval, ms [default: 100]
     #[arg(long, env = "ANKUSA_WRITE_BEHIND_MS")]
     pub write_behind_ms: Option<u64>,
+    /// Retire a tenant actor after this long without a request, ms [default: 30000]
+    #[arg(long, env = "ANKUSA_IDLE_AFTER_MS")]
+    pub idle_after_ms: Option<u64>,
+    /// Sweep expired claims this often, ms [default: 5000]
+    #[arg(long, env = "ANKUSA_SWEEP_EVERY_MS")]
+    pub sweep_every_ms: Option<u64>,
     /// Requests a tenant may queue before being shed [default: 1024]
     #[arg(long, env = "ANKUSA_TENANT_QUEUE")]
     pub tenant_queue: Option<usize>,
@@ -262,6 +284,8 @@ impl NodeConfig {
         set(&mut self.lease_renew_ms, &o.lease_renew_ms);
         set(&mut self.write_behind_ms, &o.write_behind_ms);
         set(&mut self.tenant_queue, &o.tenant_queue);
+        set(&mut self.idle_after_ms, &o.idle_after_ms);
+        set(&mut self.sweep_every_ms, &o.sweep_every_ms);
         set(&mut self.log_format, &o.log_format);
         set(&mut self.log_level, &o.log_level);
         if let Some(addr) = &o.http_addr {
@@ -304,10 +328,13 @@ impl NodeConfig {
         if !(1..=5).contains(&self.kv_replicas) {
             return Err(invalid("kv_replicas", "must be 1 to 5"));
         }
-        if self.lease_ttl_ms < 1_000 {
+        if self.lease_ttl_ms < 1_000 || self.lease_ttl_ms % 1_000 != 0 {
             return Err(invalid(
                 "lease_ttl_ms",
-                "must be at least 1000 (KV per-message TTL is in whole seconds)",
+                format!(
+                    "{} is not a whole number of seconds of at least 1000: KV per-message TTL is in whole seconds, and the node must not count on a lease longer than the server keeps it",
+                    self.lease_ttl_ms
+                ),
             ));
         }
         if self.lease_margin_ms + self.lease_renew_ms >= self.lease_ttl_ms {
@@ -325,6 +352,9 @@ impl NodeConfig {
                 "periods must be above 0",
             ));
         }
+        if let Err(err) = tracing_subscriber::EnvFilter::try_new(&self.log_level) {
+            return Err(invalid("log_level", format!("`{}`: {err}", self.log_level)));
+        }
         if self.tenant_queue == 0 {
             return Err(invalid("tenant_queue", "must be at least 1"));
         }
@@ -337,8 +367,9 @@ impl NodeConfig {
             .unwrap_or_else(|_| Subjects::new("default").expect("valid name"))
     }
 
+    /// The lease TTL as the server applies it: whole seconds.
     pub fn lease_ttl(&self) -> Duration {
-        Duration::from_millis(self.lease_ttl_ms)
+        Duration::from_secs(self.lease_ttl_ms / 1_000)
     }
 }
 
@@ -382,7 +413,7 @@ mod tests {
         })
         .contains("instance"));
         assert!(bad(Overrides {
-            lease_ttl_ms: Some(1500),
+            lease_ttl_ms: Some(2500),
             ..Default::default()
         })
         .contains("lease"));
