@@ -274,53 +274,18 @@ fn dispatch(
     match request.op {
         Op::Hit(req) => {
             let tenant = req.tenant().to_owned();
-            let (reply, rx) = oneshot::channel();
-            if ctx
-                .actor
-                .cast(ShardMsg::Hit(Job {
-                    req,
-                    deadline,
-                    reply: reply.into(),
-                }))
-                .is_err()
-            {
-                return ready(unavailable("shard actor is not running"));
-            }
-            async move {
-                match rx.await {
-                    Ok(Ok(applied)) => persisted(&persistence, shard, &tenant, &applied.changes)
-                        .await
-                        .unwrap_or(ReplyBody::Hit(applied.outcome)),
-                    Ok(Err(why)) => refused(why),
-                    Err(_) => unavailable("shard actor dropped the request"),
-                }
-            }
-            .boxed()
+            apply(ctx, tenant, req, deadline, ShardMsg::Hit, ReplyBody::Hit)
         }
         Op::Settle(req) => {
             let tenant = req.claim.tenant.clone();
-            let (reply, rx) = oneshot::channel();
-            if ctx
-                .actor
-                .cast(ShardMsg::Settle(Job {
-                    req,
-                    deadline,
-                    reply: reply.into(),
-                }))
-                .is_err()
-            {
-                return ready(unavailable("shard actor is not running"));
-            }
-            async move {
-                match rx.await {
-                    Ok(Ok(applied)) => persisted(&persistence, shard, &tenant, &applied.changes)
-                        .await
-                        .unwrap_or(ReplyBody::Settle(applied.outcome)),
-                    Ok(Err(why)) => refused(why),
-                    Err(_) => unavailable("shard actor dropped the request"),
-                }
-            }
-            .boxed()
+            apply(
+                ctx,
+                tenant,
+                req,
+                deadline,
+                ShardMsg::Settle,
+                ReplyBody::Settle,
+            )
         }
         Op::Reset { tenant } => {
             let (reply, rx) = oneshot::channel();
@@ -354,6 +319,38 @@ fn dispatch(
             .boxed()
         }
     }
+}
+
+/// Hands a hit or settle to the shard actor; the future answers its outcome once
+/// the changes it made are persisted.
+fn apply<Req: Send + 'static, Out: Send + 'static>(
+    ctx: &ShardContext,
+    tenant: String,
+    req: Req,
+    deadline: Option<Instant>,
+    message: fn(Job<Req, Out>) -> ShardMsg,
+    body: fn(Out) -> ReplyBody,
+) -> BoxFuture<'static, ReplyBody> {
+    let (reply, rx) = oneshot::channel();
+    let job = Job {
+        req,
+        deadline,
+        reply: reply.into(),
+    };
+    if ctx.actor.cast(message(job)).is_err() {
+        return ready(unavailable("shard actor is not running"));
+    }
+    let (shard, persistence) = (ctx.shard, ctx.persistence.clone());
+    async move {
+        match rx.await {
+            Ok(Ok(applied)) => persisted(&persistence, shard, &tenant, &applied.changes)
+                .await
+                .unwrap_or(body(applied.outcome)),
+            Ok(Err(why)) => refused(why),
+            Err(_) => unavailable("shard actor dropped the request"),
+        }
+    }
+    .boxed()
 }
 
 /// `None` once the changes are as durable as the persistence makes them, or

@@ -10,6 +10,7 @@
 //!   binaries and [`cargo_bin`] to locate (and build) them.
 //! - [`fleet`]: our `ankusa-node` processes ([`NodeProcess`]) and bounded polling.
 //! - [`requests`]: builders for the contract's requests.
+//! - [`redis`]: a `redis-server` for the Redis + Lua baseline.
 //! - [`ports`]: free loopback ports that are not handed out twice per test process.
 
 pub mod checker;
@@ -19,6 +20,7 @@ pub mod history;
 pub mod nats;
 pub mod ports;
 pub mod process;
+pub mod redis;
 pub mod requests;
 
 pub use error::HarnessError;

@@ -5,9 +5,6 @@
 //! The server binary comes from `REDIS_SERVER_BIN` or `PATH`; without one the
 //! test fails (it never skips): run `scripts/ensure-redis.sh`.
 
-use std::net::{Ipv4Addr, TcpListener, TcpStream};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,85 +14,9 @@ use ankusa_actors::{
 use ankusa_bus::{Store, StoreError};
 use ankusa_node::bench::redis_lua::RedisLuaStore;
 use ankusa_node::bench::workload::{self, LoadMode, WorkloadConfig};
+use ankusa_tests::redis::RedisServer;
 
 const BUDGET: Duration = Duration::from_millis(500);
-
-/// A `redis-server` of this test's own, killed when dropped.
-struct RedisServer {
-    child: Child,
-    port: u16,
-}
-
-/// The server binary from `env` or `PATH`, or a message saying how to get one.
-fn find_binary(env: &str, name: &str, script: &str) -> Result<PathBuf, String> {
-    if let Some(path) = std::env::var_os(env).filter(|p| !p.is_empty()) {
-        let path = PathBuf::from(path);
-        return if path.is_file() {
-            Ok(path)
-        } else {
-            Err(format!(
-                "{env}={} is not a file: run {script} and point {env} at what it prints",
-                path.display()
-            ))
-        };
-    }
-    std::env::var_os("PATH")
-        .and_then(|path| {
-            std::env::split_paths(&path)
-                .map(|dir| dir.join(name))
-                .find(|candidate| candidate.is_file())
-        })
-        .ok_or_else(|| format!("{name} not found (set {env} or put it on PATH): run {script}"))
-}
-
-fn free_port() -> u16 {
-    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind a free port");
-    listener.local_addr().expect("local addr").port()
-}
-
-impl RedisServer {
-    fn start() -> Self {
-        let bin = find_binary(
-            "REDIS_SERVER_BIN",
-            "redis-server",
-            "scripts/ensure-redis.sh",
-        )
-        .unwrap_or_else(|why| panic!("{why}"));
-        let port = free_port();
-        let child = Command::new(&bin)
-            .args(["--bind", "127.0.0.1", "--port"])
-            .arg(port.to_string())
-            // No persistence: the test's data dies with the server.
-            .args(["--save", "", "--appendonly", "no"])
-            // DEBUG SLEEP stalls the server to test the per-call budget.
-            .args(["--enable-debug-command", "local"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
-        let server = Self { child, port };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "redis-server did not listen on 127.0.0.1:{port} within 10 s"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        server
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/", self.port)
-    }
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn charge(tenant: &str, kind: Kind, increment_us: u64, capacity_us: u64) -> Charge {
     Charge {
@@ -142,7 +63,7 @@ async fn store(server: &RedisServer) -> RedisLuaStore {
 
 #[tokio::test]
 async fn every_outcome_of_the_two_phase_claim() {
-    let server = RedisServer::start();
+    let server = RedisServer::start().expect("redis-server starts");
     let store = store(&server).await;
     let t = "tenant-a";
     let a = claim(t, "evt-1", "hook-a");
@@ -250,7 +171,7 @@ async fn every_outcome_of_the_two_phase_claim() {
 
 #[tokio::test]
 async fn charges_are_all_or_nothing_and_taken_keys_spend_nothing() {
-    let server = RedisServer::start();
+    let server = RedisServer::start().expect("redis-server starts");
     let store = store(&server).await;
     let t = "tenant-aon";
     // Hooks holds two hits in a burst, bytes one: the second hit is denied by
@@ -357,7 +278,7 @@ async fn charges_are_all_or_nothing_and_taken_keys_spend_nothing() {
 
 #[tokio::test]
 async fn pending_claims_expire_and_bad_requests_are_refused() {
-    let server = RedisServer::start();
+    let server = RedisServer::start().expect("redis-server starts");
     let store = store(&server).await;
     let t = "tenant-exp";
     let mut short = claim(t, "k", "h1");
@@ -398,7 +319,7 @@ async fn pending_claims_expire_and_bad_requests_are_refused() {
 
 #[tokio::test]
 async fn a_stalled_server_answers_timeout_within_the_budget() {
-    let server = RedisServer::start();
+    let server = RedisServer::start().expect("redis-server starts");
     let store = Arc::new(store(&server).await);
     // Stall the server for 1 s from a connection of its own, which waits it out
     // (the client's default response timeout would give up first).
@@ -436,7 +357,7 @@ async fn a_stalled_server_answers_timeout_within_the_budget() {
 
 #[tokio::test]
 async fn a_short_workload_runs_clean() {
-    let server = RedisServer::start();
+    let server = RedisServer::start().expect("redis-server starts");
     let store = Arc::new(store(&server).await);
     let cfg = WorkloadConfig {
         tenants: 50,

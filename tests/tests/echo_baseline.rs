@@ -2,14 +2,9 @@
 //! free loopback port: the echo answers every call, the store sends exactly the
 //! fleet client's bytes, and transport failures are the right errors in budget.
 //!
-//! The server binary comes from `NATS_SERVER_BIN` or `PATH`; without one the
-//! test fails (it never skips): run `scripts/ensure-nats.sh`. (The shared
-//! harness lives in the `ankusa-tests` crate, which depends on this one, so this
-//! keeps a small helper of its own.)
+//! The server comes from the shared harness: without a `nats-server` the test
+//! fails (it never skips); `scripts/ensure-nats.sh` installs one.
 
-use std::net::{Ipv4Addr, TcpListener, TcpStream};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,80 +14,10 @@ use ankusa_actors::{
 use ankusa_bus::{Op, Request, Store, StoreError};
 use ankusa_node::bench::echo::{EchoResponder, EchoStore};
 use ankusa_node::bench::workload::{self, LoadMode, WorkloadConfig};
+use ankusa_tests::NatsServer;
 use futures::StreamExt;
 
 const BUDGET: Duration = Duration::from_millis(500);
-
-/// A `nats-server` of this test's own, killed when dropped.
-struct NatsServer {
-    child: Child,
-    port: u16,
-}
-
-/// The server binary from `env` or `PATH`, or a message saying how to get one.
-fn find_binary(env: &str, name: &str, script: &str) -> Result<PathBuf, String> {
-    if let Some(path) = std::env::var_os(env).filter(|p| !p.is_empty()) {
-        let path = PathBuf::from(path);
-        return if path.is_file() {
-            Ok(path)
-        } else {
-            Err(format!(
-                "{env}={} is not a file: run {script} and point {env} at what it prints",
-                path.display()
-            ))
-        };
-    }
-    std::env::var_os("PATH")
-        .and_then(|path| {
-            std::env::split_paths(&path)
-                .map(|dir| dir.join(name))
-                .find(|candidate| candidate.is_file())
-        })
-        .ok_or_else(|| format!("{name} not found (set {env} or put it on PATH): run {script}"))
-}
-
-fn free_port() -> u16 {
-    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).expect("bind a free port");
-    listener.local_addr().expect("local addr").port()
-}
-
-impl NatsServer {
-    fn start() -> Self {
-        let bin = find_binary("NATS_SERVER_BIN", "nats-server", "scripts/ensure-nats.sh")
-            .unwrap_or_else(|why| panic!("{why}"));
-        let port = free_port();
-        let child = Command::new(&bin)
-            .args(["-a", "127.0.0.1", "-p"])
-            .arg(port.to_string())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
-        let server = Self { child, port };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect((Ipv4Addr::LOCALHOST, port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "nats-server did not listen on 127.0.0.1:{port} within 10 s"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        server
-    }
-
-    async fn client(&self) -> async_nats::Client {
-        async_nats::connect(format!("nats://127.0.0.1:{}", self.port))
-            .await
-            .expect("connect to the test's nats-server")
-    }
-}
-
-impl Drop for NatsServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn claim() -> Claim {
     Claim {
@@ -120,8 +45,8 @@ fn hit() -> HitRequest {
 
 #[tokio::test]
 async fn the_echo_answers_hits_settles_and_resets() {
-    let server = NatsServer::start();
-    let client = server.client().await;
+    let server = NatsServer::start().await.expect("nats-server starts");
+    let client = server.connect().await.expect("connect");
     let _echo = EchoResponder::start(client.clone(), "bench.echo")
         .await
         .expect("start echo");
@@ -146,8 +71,8 @@ async fn the_echo_answers_hits_settles_and_resets() {
 
 #[tokio::test]
 async fn the_store_sends_the_fleet_clients_bytes() {
-    let server = NatsServer::start();
-    let client = server.client().await;
+    let server = NatsServer::start().await.expect("nats-server starts");
+    let client = server.connect().await.expect("connect");
     // A raw responder that records what arrives and answers like the echo.
     let mut sub = client.subscribe("bench.raw.hit").await.expect("subscribe");
     client.flush().await.expect("flush");
@@ -169,8 +94,8 @@ async fn the_store_sends_the_fleet_clients_bytes() {
 
 #[tokio::test]
 async fn transport_failures_are_errors_within_the_budget() {
-    let server = NatsServer::start();
-    let client = server.client().await;
+    let server = NatsServer::start().await.expect("nats-server starts");
+    let client = server.connect().await.expect("connect");
     // Nobody listens: no responders, at once.
     let store = EchoStore::new(client.clone(), "bench.nobody");
     let t0 = Instant::now();
@@ -197,8 +122,8 @@ async fn transport_failures_are_errors_within_the_budget() {
 
 #[tokio::test]
 async fn a_responder_stops_answering_when_dropped() {
-    let server = NatsServer::start();
-    let client = server.client().await;
+    let server = NatsServer::start().await.expect("nats-server starts");
+    let client = server.connect().await.expect("connect");
     let echo = EchoResponder::start(client.clone(), "bench.gone")
         .await
         .expect("start echo");
@@ -221,8 +146,8 @@ async fn a_responder_stops_answering_when_dropped() {
 
 #[tokio::test]
 async fn a_short_workload_runs_clean() {
-    let server = NatsServer::start();
-    let client = server.client().await;
+    let server = NatsServer::start().await.expect("nats-server starts");
+    let client = server.connect().await.expect("connect");
     let _echo = EchoResponder::start(client.clone(), "bench.load")
         .await
         .expect("start echo");
