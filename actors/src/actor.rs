@@ -74,7 +74,6 @@ pub enum TenantMsg {
     Reset(RpcReplyPort<Changes>),
     Sweep,
     Snapshot(RpcReplyPort<TenantSnapshot>),
-    ClaimCount(RpcReplyPort<usize>),
     /// Merge persisted state in.
     Absorb(TenantSnapshot),
     /// Hand the state back and stop.
@@ -113,7 +112,8 @@ pub struct ShardStats {
     pub active_tenants: usize,
     /// Tenants whose state is parked in the shard.
     pub parked_tenants: usize,
-    /// Claims held (live, or expired and not yet swept).
+    /// Claims held (live, or expired and not yet swept), as of each tenant's last
+    /// processed message.
     pub claims: usize,
     /// Tenant actors that failed and were restarted.
     pub restarts: u64,
@@ -164,13 +164,23 @@ pub struct TenantActor;
 pub struct TenantArgs {
     pub state: TenantState,
     pub clock: Arc<dyn Clock>,
-    pub queued: Arc<AtomicUsize>,
+    pub gauges: Arc<TenantGauges>,
+}
+
+/// What a tenant actor shows its shard without being asked: reading these never
+/// waits on the actor's mailbox.
+#[derive(Debug, Default)]
+pub struct TenantGauges {
+    /// Requests routed to the actor and not yet taken up.
+    pub queued: AtomicUsize,
+    /// Claims the tenant holds (live, or expired and not yet swept).
+    pub claims: AtomicUsize,
 }
 
 pub struct TenantActorState {
     state: TenantState,
     clock: Arc<dyn Clock>,
-    queued: Arc<AtomicUsize>,
+    gauges: Arc<TenantGauges>,
 }
 
 impl Actor for TenantActor {
@@ -186,7 +196,7 @@ impl Actor for TenantActor {
         Ok(TenantActorState {
             state: args.state,
             clock: args.clock,
-            queued: args.queued,
+            gauges: args.gauges,
         })
     }
 
@@ -199,7 +209,7 @@ impl Actor for TenantActor {
         let now = me.clock.now_us();
         match msg {
             TenantMsg::Hit(job) => {
-                me.queued.fetch_sub(1, Ordering::Relaxed);
+                me.gauges.queued.fetch_sub(1, Ordering::Relaxed);
                 if job.expired() {
                     job.refuse(Refused::DeadlineExpired);
                     return Ok(());
@@ -208,7 +218,7 @@ impl Actor for TenantActor {
                 let _ = job.reply.send(Ok(applied));
             }
             TenantMsg::Settle(job) => {
-                me.queued.fetch_sub(1, Ordering::Relaxed);
+                me.gauges.queued.fetch_sub(1, Ordering::Relaxed);
                 if job.expired() {
                     job.refuse(Refused::DeadlineExpired);
                     return Ok(());
@@ -226,9 +236,6 @@ impl Actor for TenantActor {
                 // The shard knows the name; it fills it in.
                 let _ = reply.send(me.state.snapshot("", now));
             }
-            TenantMsg::ClaimCount(reply) => {
-                let _ = reply.send(me.state.claims().len());
-            }
             TenantMsg::Absorb(snapshot) => me.state.absorb(snapshot, now),
             #[cfg(test)]
             TenantMsg::Fail => return Err("failing on request".into()),
@@ -237,6 +244,9 @@ impl Actor for TenantActor {
                 myself.stop(None);
             }
         }
+        me.gauges
+            .claims
+            .store(me.state.claims().len(), Ordering::Relaxed);
         Ok(())
     }
 }
@@ -246,7 +256,7 @@ pub struct ShardActor;
 
 struct ActiveTenant {
     actor: ActorRef<TenantMsg>,
-    queued: Arc<AtomicUsize>,
+    gauges: Arc<TenantGauges>,
     last_routed_us: u64,
 }
 
@@ -268,11 +278,12 @@ impl ShardState {
     ) -> Result<&mut ActiveTenant, ActorProcessingErr> {
         if !self.active.contains_key(tenant) {
             let state = self.parked.remove(tenant).unwrap_or_default();
-            let queued = Arc::new(AtomicUsize::new(0));
+            let gauges = Arc::new(TenantGauges::default());
+            gauges.claims.store(state.claims().len(), Ordering::Relaxed);
             let args = TenantArgs {
                 state,
                 clock: self.config.clock.clone(),
-                queued: queued.clone(),
+                gauges: gauges.clone(),
             };
             let (actor, _) =
                 Actor::spawn_linked(None, TenantActor, args, myself.get_cell()).await?;
@@ -280,7 +291,7 @@ impl ShardState {
                 tenant.into(),
                 ActiveTenant {
                     actor,
-                    queued,
+                    gauges,
                     last_routed_us: 0,
                 },
             );
@@ -304,16 +315,16 @@ impl ShardState {
     ) -> Result<(), ActorProcessingErr> {
         let limit = self.config.tenant_queue;
         let active = self.tenant(myself, tenant).await?;
-        let queued = active.queued.fetch_add(1, Ordering::Relaxed);
+        let queued = active.gauges.queued.fetch_add(1, Ordering::Relaxed);
         if queued >= limit {
-            active.queued.fetch_sub(1, Ordering::Relaxed);
+            active.gauges.queued.fetch_sub(1, Ordering::Relaxed);
             self.shed += 1;
             job.refuse(Refused::Overloaded { queued });
             return Ok(());
         }
         if let Err(err) = active.actor.cast(wrap(job)) {
             // The actor is stopping; its supervision event will clean up.
-            active.queued.fetch_sub(1, Ordering::Relaxed);
+            active.gauges.queued.fetch_sub(1, Ordering::Relaxed);
             match err {
                 MessagingErr::SendErr(TenantMsg::Hit(job)) => job.refuse(Refused::Unavailable),
                 MessagingErr::SendErr(TenantMsg::Settle(job)) => job.refuse(Refused::Unavailable),
@@ -382,15 +393,15 @@ impl ShardState {
         out
     }
 
-    async fn stats(&self) -> ShardStats {
-        let mut claims: usize = self.parked.values().map(|s| s.claims().len()).sum();
-        for tenant in self.active.values() {
-            if let Ok(CallResult::Success(count)) =
-                tenant.actor.call(TenantMsg::ClaimCount, None).await
-            {
-                claims += count;
-            }
-        }
+    /// Read from the tenants' gauges: the shard never waits on a tenant for it.
+    fn stats(&self) -> ShardStats {
+        let parked: usize = self.parked.values().map(|s| s.claims().len()).sum();
+        let active: usize = self
+            .active
+            .values()
+            .map(|t| t.gauges.claims.load(Ordering::Relaxed))
+            .sum();
+        let claims = parked + active;
         ShardStats {
             active_tenants: self.active.len(),
             parked_tenants: self.parked.len(),
@@ -485,7 +496,7 @@ impl Actor for ShardActor {
                 let _ = reply.send(state.export().await);
             }
             ShardMsg::Stats(reply) => {
-                let _ = reply.send(state.stats().await);
+                let _ = reply.send(state.stats());
             }
             #[cfg(test)]
             ShardMsg::FailTenant(tenant) => {

@@ -359,6 +359,9 @@ async fn expired_claims_are_swept_on_tick() {
 
     clock.advance_us(5 * MS);
     tick(&shard);
+    // Gauges are as of each tenant's last message: a round trip through the
+    // tenant's mailbox lets it process the sweep first.
+    assert_eq!(export(&shard).await[0].claims.len(), 1);
     assert_eq!(stats(&shard).await.claims, 1);
     assert_eq!(
         hit(&shard, claim_only(claim("acme", "evt-1", "hook-3"))).await,

@@ -403,16 +403,29 @@ impl FleetKv {
             })
             .await
             .map_err(request_err)?;
-        let pending = consumer.info().await.map_err(request_err)?.num_pending;
+        let info = consumer.info().await.map_err(request_err)?;
+        // The server would reap the consumer once idle; until then it filters every
+        // write to the stream, so it goes as soon as the load is done.
+        let mut reader = info.name.clone();
         let mut tenants: HashMap<String, TenantSnapshot> = HashMap::new();
-        if pending == 0 {
+        if info.num_pending == 0 {
+            let _ = stream.delete_consumer(&reader).await;
             return Ok(Vec::new());
         }
         let now_us = now_unix_us();
         let mut messages = consumer.messages().await.map_err(request_err)?;
         while let Some(message) = messages.next().await {
             let message = message.map_err(request_err)?;
-            let left = message.info().map(|i| i.pending).unwrap_or(0);
+            let left = match message.info() {
+                Ok(info) => {
+                    // An ordered consumer may be recreated under a new name midway.
+                    if info.consumer != reader {
+                        reader = info.consumer.to_string();
+                    }
+                    info.pending
+                }
+                Err(_) => 0,
+            };
             let is_value = message
                 .headers
                 .as_ref()
@@ -432,6 +445,7 @@ impl FleetKv {
                 break;
             }
         }
+        let _ = stream.delete_consumer(&reader).await;
         Ok(tenants.into_values().collect())
     }
 }
