@@ -23,7 +23,7 @@ use crate::bench::workload::{self, comparison_table, BucketLimits};
 use crate::bench::{EchoResponder, EchoStore, LoadMode, RedisLuaStore, TenantDistribution};
 use crate::bench::{WorkloadConfig, WorkloadReport};
 
-use super::{CliError, Global};
+use super::{write_json, CliError, Global};
 
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
@@ -170,16 +170,9 @@ pub async fn bench(global: &Global, args: BenchArgs) -> Result<(), CliError> {
     let report = run_fleet(global, &cfg, args.workload.batching).await?;
     println!("{report}");
     if let Some(path) = &args.json {
-        write_json(path, &report.to_json())?;
+        write_json(path, &report)?;
     }
     Ok(())
-}
-
-fn write_json(path: &PathBuf, text: &str) -> Result<(), CliError> {
-    std::fs::write(path, text).map_err(|source| CliError::Write {
-        path: path.clone(),
-        source,
-    })
 }
 
 async fn run_fleet(
@@ -449,10 +442,7 @@ async fn compare(global: &Global, args: &BenchArgs, cfg: WorkloadConfig) -> Resu
             half_peak,
             ratios,
         };
-        write_json(
-            path,
-            &serde_json::to_string_pretty(&report).unwrap_or_default(),
-        )?;
+        write_json(path, &report)?;
     }
     Ok(())
 }

@@ -20,7 +20,7 @@ use clap::Args;
 use futures::StreamExt;
 use serde::Serialize;
 
-use super::{CliError, Global};
+use super::{write_json, CliError, Global};
 
 #[derive(Debug, Clone, Args)]
 pub struct DurableArgs {
@@ -178,14 +178,7 @@ pub async fn durable(global: &Global, args: &DurableArgs) -> Result<(), CliError
         if report.target_met { "met" } else { "MISSED" }
     );
     if let Some(path) = &args.json {
-        std::fs::write(
-            path,
-            serde_json::to_string_pretty(&report).unwrap_or_default(),
-        )
-        .map_err(|source| CliError::Write {
-            path: path.clone(),
-            source,
-        })?;
+        write_json(path, &report)?;
     }
     Ok(())
 }
@@ -276,12 +269,7 @@ pub async fn recovery(global: &Global, args: &RecoveryArgs) -> Result<(), CliErr
         if r.target_met { "met" } else { "MISSED" }
     );
     if let Some(path) = &args.json {
-        std::fs::write(path, serde_json::to_string_pretty(&r).unwrap_or_default()).map_err(
-            |source| CliError::Write {
-                path: path.clone(),
-                source,
-            },
-        )?;
+        write_json(path, &r)?;
     }
     Ok(())
 }

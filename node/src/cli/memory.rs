@@ -35,7 +35,7 @@ use futures::StreamExt;
 use serde::Serialize;
 
 use super::status::{http_get, metric};
-use super::{CliError, Global};
+use super::{write_json, CliError, Global};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -288,14 +288,7 @@ pub async fn memory(global: &Global, args: &MemoryArgs) -> Result<(), CliError> 
         if report.target_met { "met" } else { "MISSED" }
     );
     if let Some(path) = &args.json {
-        std::fs::write(
-            path,
-            serde_json::to_string_pretty(&report).unwrap_or_default(),
-        )
-        .map_err(|source| CliError::Write {
-            path: path.clone(),
-            source,
-        })?;
+        write_json(path, &report)?;
     }
     Ok(())
 }

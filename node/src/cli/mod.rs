@@ -217,6 +217,15 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
 }
 
 /// Latency for people: µs below 1 ms, ms with one decimal above.
+/// Writes a report as pretty JSON to `path`.
+pub fn write_json(path: &std::path::Path, report: &impl serde::Serialize) -> Result<(), CliError> {
+    let text = serde_json::to_string_pretty(report).unwrap_or_default();
+    std::fs::write(path, text).map_err(|source| CliError::Write {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
 pub fn fmt_latency(d: Duration) -> String {
     let us = d.as_micros();
     if us < 1000 {
