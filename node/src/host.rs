@@ -135,7 +135,8 @@ impl ShardHost {
         Some(state)
     }
 
-    /// Stops every shard at once, without waiting for their state.
+    /// Releases every shard, one after another, dropping their state (standalone
+    /// mode keeps nothing; fleet mode hands shards back one by one instead).
     pub async fn release_all(&mut self) {
         for shard in self.serving() {
             let _ = self.release(shard).await;
