@@ -220,24 +220,6 @@ impl ChildProcess {
         }
     }
 
-    /// Blocking variant of [`ChildProcess::wait_timeout`] for non-async callers.
-    pub fn wait_timeout_blocking(&mut self, timeout: Duration) -> Result<ExitStatus, HarnessError> {
-        let start = Instant::now();
-        loop {
-            if let Some(status) = self.try_wait()? {
-                return Ok(status);
-            }
-            if start.elapsed() >= timeout {
-                return Err(HarnessError::ExitTimeout {
-                    what: self.name.clone(),
-                    pid: self.pid(),
-                    waited_ms: timeout.as_millis(),
-                });
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
     /// Graceful stop: SIGCONT (a paused process cannot handle SIGTERM), SIGTERM, wait up
     /// to `grace`, then SIGKILL. Returns the exit status.
     pub async fn stop(&mut self, grace: Duration) -> Result<ExitStatus, HarnessError> {
