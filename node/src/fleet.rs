@@ -59,6 +59,16 @@ pub fn target_owner(nodes: &BTreeSet<String>, shard: u32) -> Option<&str> {
         .map(String::as_str)
 }
 
+/// Until when this node may answer for a lease taken or renewed by a request
+/// sent at `sent`: the server keeps it at least the TTL from receipt, and the
+/// margin covers clock drift between the two.
+fn lease_valid_until(config: &NodeConfig, sent: Instant) -> std::time::Instant {
+    let keep = config
+        .lease_ttl()
+        .saturating_sub(Duration::from_millis(config.lease_margin_ms));
+    (sent + keep).into_std()
+}
+
 /// A lease this node holds.
 struct Held {
     revision: u64,
@@ -90,15 +100,6 @@ impl Fleet {
         (0..self.config.shards)
             .filter(|&s| target_owner(&self.live, s) == Some(self.me()))
             .collect()
-    }
-
-    /// Valid-until for a lease renewed by a request sent at `sent`.
-    fn valid_until(&self, sent: Instant) -> std::time::Instant {
-        let keep = self
-            .config
-            .lease_ttl()
-            .saturating_sub(Duration::from_millis(self.config.lease_margin_ms));
-        (sent + keep).into_std()
     }
 
     async fn heartbeat(&mut self) {
@@ -138,9 +139,7 @@ impl Fleet {
             {
                 Ok(revision) => {
                     held.revision = revision;
-                    let keep =
-                        ttl.saturating_sub(Duration::from_millis(self.config.lease_margin_ms));
-                    held.window.extend_to((sent + keep).into_std());
+                    held.window.extend_to(lease_valid_until(&self.config, sent));
                 }
                 Err(LeaseError::Lost { .. }) | Err(LeaseError::Taken { .. }) => {
                     held.window.close();
@@ -226,7 +225,7 @@ impl Fleet {
             let tenants = state.len();
             let claims: usize = state.iter().map(|t| t.claims.len()).sum();
             let window = ServeWindow::closed();
-            window.extend_to(self.valid_until(sent));
+            window.extend_to(lease_valid_until(&self.config, sent));
             if let Err(err) = self.host.serve(shard, state, Some(window.clone())).await {
                 tracing::error!(shard, error = %err, "cannot serve shard; giving the lease back");
                 let _ = self.kv.release_lease(shard, revision).await;
