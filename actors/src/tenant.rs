@@ -25,7 +25,15 @@ pub struct BucketRecord {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ClaimChange {
     Put(ClaimRecord),
-    Delete { source_id: String, key: String },
+    /// `hook_id`'s pending claim released. `expires_us` is when it would have
+    /// expired: a log that replays changes keeps the deletion that long, and
+    /// applies it only to that hook's pending claim.
+    Delete {
+        source_id: String,
+        key: String,
+        hook_id: String,
+        expires_us: u64,
+    },
 }
 
 /// What one call changed in a tenant's state.
@@ -210,10 +218,13 @@ impl TenantState {
                 return Applied::unchanged(SettleOutcome::AlreadyCommitted);
             }
             (Phase::Pending { .. }, Settlement::Release) => {
+                let expires_us = entry.expires_us;
                 self.claims.remove(&key);
                 ClaimChange::Delete {
                     source_id: claim.source_id.clone(),
                     key: claim.key.clone(),
+                    hook_id: claim.hook_id.clone(),
+                    expires_us,
                 }
             }
             (Phase::Pending { .. }, Settlement::Commit) => {

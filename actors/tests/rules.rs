@@ -489,7 +489,9 @@ fn release_frees_the_key() {
         applied.changes.claim,
         Some(ClaimChange::Delete {
             source_id: c.source_id.clone(),
-            key: c.key.clone()
+            key: c.key.clone(),
+            hook_id: c.hook_id.clone(),
+            expires_us: T0 + c.pending_ttl_ms * 1000,
         })
     );
     assert!(state.claims().is_empty());

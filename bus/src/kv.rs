@@ -601,7 +601,7 @@ impl KvWriter {
                 }),
                 ttl_secs_until(record.expires_us, now_unix_us()),
             ),
-            ClaimChange::Delete { source_id, key } => {
+            ClaimChange::Delete { source_id, key, .. } => {
                 Write::purge(bucket, &claim_key(shard, tenant, source_id, key))
             }
         };
