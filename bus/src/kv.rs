@@ -5,19 +5,22 @@
 //!
 //! | bucket | key | value | TTL |
 //! |---|---|---|---|
-//! | `ankusa_<instance>_state` | `c.<shard>.<h128(tenant,source_id,key)>` | [`StoredClaim`] | until the claim expires |
+//! | `ankusa_<instance>_state` | `l.<shard>.<writer>.<seq>` | a message of the shard's claim log ([`claimlog`]) | until its longest-lived change expires |
 //! | | `b.<shard>.<h128(tenant)>` | [`StoredBuckets`] | until every bucket is full |
+//! | | `c.<shard>.<h128(tenant,source_id,key)>` | [`StoredClaim`] (written before the log; still read) | until the claim expires |
 //! | `ankusa_<instance>_leases` | `s.<shard>` | [`LeaseValue`] | the lease TTL |
 //! | `ankusa_<instance>_nodes` | `<node_id>` | [`Heartbeat`] | the lease TTL |
 //!
 //! Tenants and keys never appear in a KV key in clear: any bytes are safe.
-//! Claims go through [`KvWriter`], a group commit: writes are published
-//! back-to-back and their acks awaited together, so a burst of hits costs a
-//! handful of round trips, not one each. A caller is answered only once its own
-//! write is acknowledged. Bucket TATs are written behind, coalesced to at most one
-//! write per tenant per flush interval.
+//! Claims go through [`KvWriter`], a group commit: each shard's claim changes
+//! queue while its last log message is in flight and leave together as the
+//! next one, so a burst of hits costs a handful of stored messages, not one
+//! each. A caller is answered only once the message holding its change is
+//! acknowledged. Bucket TATs are written behind, coalesced to at most one write
+//! per tenant per flush interval.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -25,11 +28,13 @@ use ankusa_actors::{BucketRecord, Changes, ClaimChange, ClaimRecord, TenantSnaps
 use async_nats::header::{self, HeaderMap, HeaderValue};
 use async_nats::jetstream::{self, consumer, context::PublishErrorKind, kv, stream};
 use bytes::Bytes;
+use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
+use crate::claimlog::{self, EncodedChange, Replay};
 use crate::persist::PersistError;
 
 /// Why a KV operation failed.
@@ -385,6 +390,10 @@ impl FleetKv {
     }
 
     /// A shard's persisted state: every live claim and bucket of its tenants.
+    ///
+    /// Reads the shard's claim log in stream order (see [`claimlog`]), its
+    /// bucket keys, and the one-key-per-claim records that nodes before the log
+    /// wrote (`c.<shard>.*`), so such a node's claims survive an upgrade.
     pub async fn load_shard(&self, shard: u32) -> Result<Vec<TenantSnapshot>, KvError> {
         let stream = self
             .js
@@ -395,10 +404,13 @@ impl FleetKv {
         let mut consumer = stream
             .create_consumer(consumer::pull::OrderedConfig {
                 filter_subjects: vec![
+                    format!("{prefix}{}", claimlog::log_filter(shard)),
                     format!("{prefix}c.{shard}.*"),
                     format!("{prefix}b.{shard}.*"),
                 ],
-                deliver_policy: consumer::DeliverPolicy::LastPerSubject,
+                // Every key holds one message (history 1): all of them, in the
+                // order they were stored, which is the order the log replays in.
+                deliver_policy: consumer::DeliverPolicy::All,
                 ..Default::default()
             })
             .await
@@ -407,12 +419,13 @@ impl FleetKv {
         // The server would reap the consumer once idle; until then it filters every
         // write to the stream, so it goes as soon as the load is done.
         let mut reader = info.name.clone();
-        let mut tenants: HashMap<String, TenantSnapshot> = HashMap::new();
         if info.num_pending == 0 {
             let _ = stream.delete_consumer(&reader).await;
             return Ok(Vec::new());
         }
         let now_us = now_unix_us();
+        let mut claims = Replay::default();
+        let mut buckets: HashMap<String, Vec<BucketRecord>> = HashMap::new();
         let mut messages = consumer.messages().await.map_err(request_err)?;
         while let Some(message) = messages.next().await {
             let message = message.map_err(request_err)?;
@@ -437,46 +450,41 @@ impl FleetKv {
                 let key = message
                     .subject
                     .strip_prefix(prefix.as_str())
-                    .unwrap_or_default()
-                    .to_string();
-                absorb_stored(&mut tenants, &key, &message.payload, now_us)?;
+                    .unwrap_or_default();
+                let payload = &message.payload;
+                if key.starts_with("l.") {
+                    claims.apply_message(key, payload, now_us)?;
+                } else if key.starts_with("c.") {
+                    let stored: StoredClaim = decode(key, payload)?;
+                    claims.apply(stored.tenant, ClaimChange::Put(stored.claim), now_us);
+                } else if key.starts_with("b.") {
+                    let stored: StoredBuckets = decode(key, payload)?;
+                    buckets
+                        .entry(stored.tenant)
+                        .or_default()
+                        .extend(stored.buckets.into_iter().filter(|b| b.tat_us > now_us));
+                }
             }
             if left == 0 {
                 break;
             }
         }
         let _ = stream.delete_consumer(&reader).await;
-        Ok(tenants.into_values().collect())
-    }
-}
-
-fn absorb_stored(
-    tenants: &mut HashMap<String, TenantSnapshot>,
-    key: &str,
-    payload: &[u8],
-    now_us: u64,
-) -> Result<(), KvError> {
-    fn slot(tenants: &mut HashMap<String, TenantSnapshot>, tenant: String) -> &mut TenantSnapshot {
-        tenants
-            .entry(tenant.clone())
-            .or_insert_with(|| TenantSnapshot {
-                tenant,
-                buckets: Vec::new(),
-                claims: Vec::new(),
-            })
-    }
-    if key.starts_with("c.") {
-        let stored: StoredClaim = decode(key, payload)?;
-        if stored.claim.expires_us > now_us {
-            slot(tenants, stored.tenant).claims.push(stored.claim);
+        let mut tenants: Vec<TenantSnapshot> = claims.finish(now_us).collect();
+        for tenant in &mut tenants {
+            if let Some(moved) = buckets.remove(&tenant.tenant) {
+                tenant.buckets = moved;
+            }
         }
-    } else if key.starts_with("b.") {
-        let stored: StoredBuckets = decode(key, payload)?;
-        slot(tenants, stored.tenant)
-            .buckets
-            .extend(stored.buckets.into_iter().filter(|b| b.tat_us > now_us));
+        tenants.extend(buckets.into_iter().filter(|(_, b)| !b.is_empty()).map(
+            |(tenant, buckets)| TenantSnapshot {
+                tenant,
+                buckets,
+                claims: Vec::new(),
+            },
+        ));
+        Ok(tenants)
     }
-    Ok(())
 }
 
 async fn open_bucket(
@@ -509,13 +517,22 @@ async fn open_bucket(
     }
 }
 
-/// A write and who waits for its ack.
-struct Submitted {
-    write: Write,
-    done: Option<oneshot::Sender<Result<(), PersistError>>>,
+/// Who waits for a write's ack.
+type Done = oneshot::Sender<Result<(), PersistError>>;
+
+/// What the commit loop is given.
+enum Submitted {
+    /// A claim change, for its shard's log.
+    Claim {
+        shard: u32,
+        change: EncodedChange,
+        done: Done,
+    },
+    /// A KV write of its own (bucket TATs).
+    Write { write: Write, done: Done },
 }
 
-/// Acks awaited at once before new writes wait. Below the JetStream context's
+/// Writes awaited at once before new ones wait. Below the JetStream context's
 /// publish permits (`max_ack_inflight`, 5000 by default): a publish waits for a
 /// permit that only an awaited ack returns, and both happen in one loop here.
 const MAX_IN_FLIGHT: usize = 4000;
@@ -542,7 +559,8 @@ impl KvWriter {
             tx,
             dirty: Mutex::new(HashMap::new()),
         });
-        tokio::spawn(commit_loop(kv.js.clone(), rx));
+        let logs = ShardLogs::new(kv.state_bucket.clone());
+        tokio::spawn(commit_loop(kv.js.clone(), logs, rx));
         let flusher = Arc::downgrade(&writer);
         tokio::spawn(async move {
             let mut ticks = tokio::time::interval(write_behind);
@@ -561,13 +579,10 @@ impl KvWriter {
         &self.kv
     }
 
-    async fn submit(&self, write: Write) -> Result<(), PersistError> {
+    async fn submit(&self, submitted: impl FnOnce(Done) -> Submitted) -> Result<(), PersistError> {
         let (done, ack) = oneshot::channel();
         self.tx
-            .send(Submitted {
-                write,
-                done: Some(done),
-            })
+            .send(submitted(done))
             .await
             .map_err(|_| PersistError::Stopped)?;
         ack.await.map_err(|_| PersistError::Stopped)?
@@ -590,22 +605,14 @@ impl KvWriter {
         let Some(change) = &changes.claim else {
             return Ok(());
         };
-        let bucket = &self.kv.state_bucket;
-        let write = match change {
-            ClaimChange::Put(record) => Write::put(
-                bucket,
-                &claim_key(shard, tenant, &record.source_id, &record.key),
-                encode(&StoredClaim {
-                    tenant: tenant.to_string(),
-                    claim: record.clone(),
-                }),
-                ttl_secs_until(record.expires_us, now_unix_us()),
-            ),
-            ClaimChange::Delete { source_id, key, .. } => {
-                Write::purge(bucket, &claim_key(shard, tenant, source_id, key))
-            }
-        };
-        self.submit(write).await
+        // Encoded here, on the caller's task, so the commit loop only frames bytes.
+        let change = EncodedChange::new(tenant, change);
+        self.submit(|done| Submitted::Claim {
+            shard,
+            change,
+            done,
+        })
+        .await
     }
 
     /// Writes the dirty buckets (of one shard, or all) now and waits for the acks.
@@ -648,7 +655,7 @@ impl KvWriter {
                     ttl_secs_until(last, now_us),
                 ),
             };
-            self.submit(write)
+            self.submit(|done| Submitted::Write { write, done })
         });
         let results = futures::future::join_all(writes).await;
         let mut failed = 0;
@@ -683,38 +690,172 @@ fn bucket_index(bucket: &BucketRecord) -> usize {
     }
 }
 
+/// The claim logs of the shards this writer has written: what waits to go out,
+/// and whether a message is in flight.
+struct ShardLogs {
+    bucket: String,
+    /// Makes this writer's log keys unique among every writer, past and present.
+    writer: String,
+    seq: u64,
+    shards: HashMap<u32, ShardLog>,
+}
+
+#[derive(Default)]
+struct ShardLog {
+    queue: Vec<(EncodedChange, Done)>,
+    /// One message per shard in flight keeps the log in the order the changes
+    /// were made.
+    in_flight: bool,
+}
+
+impl ShardLogs {
+    fn new(bucket: String) -> Self {
+        // Two log messages under one key would be one too many: the bucket keeps
+        // only the last. Process, start time and a per-process count keep every
+        // writer's keys apart.
+        static STARTED: AtomicU64 = AtomicU64::new(0);
+        let writer = {
+            let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+            hasher.update(&std::process::id().to_le_bytes());
+            hasher.update(&now_unix_us().to_le_bytes());
+            hasher.update(&STARTED.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+            format!("{:016x}", hasher.digest())
+        };
+        Self {
+            bucket,
+            writer,
+            seq: 0,
+            shards: HashMap::new(),
+        }
+    }
+
+    /// Takes the next message of `shard` (its queued changes, up to the size
+    /// limit), unless one is in flight or nothing waits.
+    fn next_message(&mut self, shard: u32) -> Option<(Write, Vec<Done>)> {
+        let log = self.shards.get_mut(&shard)?;
+        if log.in_flight || log.queue.is_empty() {
+            return None;
+        }
+        let mut bytes = 0;
+        let take = log
+            .queue
+            .iter()
+            .take_while(|(change, _)| {
+                bytes += change.bytes.len();
+                bytes <= claimlog::MAX_MESSAGE_BYTES
+            })
+            .count()
+            .max(1);
+        let batch: Vec<(EncodedChange, Done)> = log.queue.drain(..take).collect();
+        log.in_flight = true;
+        self.seq += 1;
+        let keep_until = batch
+            .iter()
+            .map(|(c, _)| c.keep_until_us)
+            .max()
+            .unwrap_or(0);
+        let payload = claimlog::frame(batch.iter().map(|(c, _)| c.bytes.as_slice()));
+        metrics::histogram!("ankusa_claim_log_batch").record(batch.len() as f64);
+        let write = Write::put(
+            &self.bucket,
+            &claimlog::log_key(shard, &self.writer, self.seq),
+            payload,
+            ttl_secs_until(keep_until, now_unix_us()),
+        );
+        Some((write, batch.into_iter().map(|(_, done)| done).collect()))
+    }
+}
+
 /// Publishes writes as they come and completes each once its ack is in; many
-/// acks are awaited at once.
-async fn commit_loop(js: jetstream::Context, mut rx: mpsc::Receiver<Submitted>) {
+/// acks are awaited at once. Claim changes are grouped per shard: while a
+/// shard's log message is in flight, its next changes queue up and leave
+/// together when it is acknowledged.
+async fn commit_loop(
+    js: jetstream::Context,
+    mut logs: ShardLogs,
+    mut rx: mpsc::Receiver<Submitted>,
+) {
     let mut acks = FuturesUnordered::new();
     let mut open = true;
     while open || !acks.is_empty() {
         tokio::select! {
             submitted = rx.recv(), if open && acks.len() < MAX_IN_FLIGHT => {
-                let Some(Submitted { write, done }) = submitted else {
+                let Some(first) = submitted else {
                     open = false;
                     continue;
                 };
-                let published = js.publish_with_headers(write.subject, write.headers, write.payload).await;
-                let sent = std::time::Instant::now();
-                acks.push(async move {
-                    let result = match published {
-                        Ok(ack) => ack.await.map(|_| ()).map_err(|e| PersistError::Write(e.to_string())),
-                        Err(e) => Err(PersistError::Write(e.to_string())),
-                    };
-                    metrics::histogram!("ankusa_kv_write_seconds").record(sent.elapsed().as_secs_f64());
-                    if result.is_err() {
-                        metrics::counter!("ankusa_kv_write_failures_total").increment(1);
+                // Everything already waiting joins this round, so a burst is grouped.
+                let mut ready = Vec::new();
+                let mut next = Some(first);
+                while let Some(submitted) = next.take() {
+                    match submitted {
+                        Submitted::Claim { shard, change, done } => {
+                            logs.shards.entry(shard).or_default().queue.push((change, done));
+                            if !ready.contains(&shard) {
+                                ready.push(shard);
+                            }
+                        }
+                        Submitted::Write { write, done } => {
+                            let acked = publish(&js, write, vec![done], None).await;
+                            acks.push(acked);
+                        }
                     }
-                    if let Some(done) = done {
-                        let _ = done.send(result);
+                    if acks.len() < MAX_IN_FLIGHT {
+                        next = rx.try_recv().ok();
                     }
-                });
+                }
+                for shard in ready {
+                    if let Some((write, waiters)) = logs.next_message(shard) {
+                        let acked = publish(&js, write, waiters, Some(shard)).await;
+                        acks.push(acked);
+                    }
+                }
                 metrics::gauge!("ankusa_kv_writes_in_flight").set(acks.len() as f64);
             }
-            Some(()) = acks.next(), if !acks.is_empty() => {
+            Some(acked) = acks.next(), if !acks.is_empty() => {
+                if let Some(shard) = acked {
+                    if let Some(log) = logs.shards.get_mut(&shard) {
+                        log.in_flight = false;
+                    }
+                    if let Some((write, waiters)) = logs.next_message(shard) {
+                        let acked = publish(&js, write, waiters, Some(shard)).await;
+                        acks.push(acked);
+                    }
+                }
                 metrics::gauge!("ankusa_kv_writes_in_flight").set(acks.len() as f64);
             }
         }
     }
+}
+
+/// Publishes one write; the future it returns completes the waiters once the
+/// ack is in, and yields the shard whose log message it was.
+async fn publish(
+    js: &jetstream::Context,
+    write: Write,
+    waiters: Vec<Done>,
+    shard: Option<u32>,
+) -> BoxFuture<'static, Option<u32>> {
+    let published = js
+        .publish_with_headers(write.subject, write.headers, write.payload)
+        .await;
+    let sent = std::time::Instant::now();
+    async move {
+        let result = match published {
+            Ok(ack) => ack
+                .await
+                .map(|_| ())
+                .map_err(|e| PersistError::Write(e.to_string())),
+            Err(e) => Err(PersistError::Write(e.to_string())),
+        };
+        metrics::histogram!("ankusa_kv_write_seconds").record(sent.elapsed().as_secs_f64());
+        if result.is_err() {
+            metrics::counter!("ankusa_kv_write_failures_total").increment(1);
+        }
+        for done in waiters {
+            let _ = done.send(result.clone());
+        }
+        shard
+    }
+    .boxed()
 }

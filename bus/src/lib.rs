@@ -11,6 +11,7 @@
 //! - [`store`]: the contract as the edge sees it.
 
 pub mod breaker;
+pub mod claimlog;
 pub mod client;
 pub mod connect;
 pub mod edge;

@@ -1,0 +1,308 @@
+//! The claim log: how a shard's claim changes are stored, many to a message, and
+//! read back.
+//!
+//! Claims are not one KV key each. A node writes the claim changes of a shard as
+//! a log: each message holds every change made since the shard's last message was
+//! acknowledged (a group commit), under a KV key of its own,
+//! `l.<shard>.<writer>.<seq>`, with a TTL as long as its longest-lived change.
+//! A burst of hits is then a handful of stored messages, not one each, which is
+//! what JetStream's per-message cost makes the limit of a node's throughput.
+//!
+//! The payload is a MessagePack array of [`LoggedChange`] maps
+//! (`{"tenant": .., "change": {"Put": ClaimRecord} | {"Delete": {..}}}`).
+//!
+//! [`Replay`] applies a shard's messages in stream order to rebuild its claims.
+//! Two rules make the replay safe against writes that land late (a paused node
+//! waking up with writes still in its socket):
+//! - a pending claim never replaces a live committed one;
+//! - a release deletes only the pending claim of the hook that made it.
+//!
+//! Neither can turn a claim that was not committed into a committed one, so a
+//! replayed log never answers `Duplicate` for a hook that was not stored.
+
+use std::collections::HashMap;
+
+use ankusa_actors::{ClaimChange, ClaimRecord, TenantSnapshot};
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::kv::KvError;
+
+/// Largest payload of one log message. Below the state bucket's value limit
+/// (64 KiB), so a batch is never refused for its size.
+pub const MAX_MESSAGE_BYTES: usize = 60 * 1024;
+
+/// One claim change of a tenant, as the log stores it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoggedChange {
+    pub tenant: String,
+    pub change: ClaimChange,
+}
+
+/// The borrowed twin of [`LoggedChange`]: the same bytes, without copying the
+/// change's strings to encode it.
+#[derive(Serialize)]
+struct LoggedChangeRef<'a> {
+    tenant: &'a str,
+    change: &'a ClaimChange,
+}
+
+/// One change, encoded, and until when the log must keep it (unix µs).
+#[derive(Debug, Clone)]
+pub struct EncodedChange {
+    pub bytes: Vec<u8>,
+    pub keep_until_us: u64,
+}
+
+impl EncodedChange {
+    pub fn new(tenant: &str, change: &ClaimChange) -> Self {
+        let keep_until_us = match change {
+            ClaimChange::Put(record) => record.expires_us,
+            // The release must outlive the pending claim it cancels.
+            ClaimChange::Delete { expires_us, .. } => *expires_us,
+        };
+        let bytes =
+            rmp_serde::to_vec_named(&LoggedChangeRef { tenant, change }).unwrap_or_default();
+        Self {
+            bytes,
+            keep_until_us,
+        }
+    }
+}
+
+/// The KV key of a log message: unique per writer and sequence number.
+pub fn log_key(shard: u32, writer: &str, seq: u64) -> String {
+    format!("l.{shard}.{writer}.{seq}")
+}
+
+/// The KV key filter of a shard's log.
+pub fn log_filter(shard: u32) -> String {
+    format!("l.{shard}.>")
+}
+
+/// Frames encoded changes as one message payload (a MessagePack array).
+pub fn frame<'a>(changes: impl ExactSizeIterator<Item = &'a [u8]>) -> Bytes {
+    let mut payload = Vec::with_capacity(5 + changes.len() * 160);
+    // Writing to a Vec cannot fail.
+    let _ = rmp::encode::write_array_len(&mut payload, changes.len() as u32);
+    for change in changes {
+        payload.extend_from_slice(change);
+    }
+    Bytes::from(payload)
+}
+
+/// A shard's claims, rebuilt change by change in log order.
+#[derive(Debug, Default)]
+pub struct Replay {
+    /// Per tenant, per (source_id, key): the claim as of the last change applied.
+    tenants: HashMap<String, HashMap<(String, String), ClaimRecord>>,
+}
+
+impl Replay {
+    /// Applies every change of one log message. `key` names it in errors.
+    pub fn apply_message(&mut self, key: &str, payload: &[u8], now_us: u64) -> Result<(), KvError> {
+        let changes: Vec<LoggedChange> =
+            rmp_serde::from_slice(payload).map_err(|e| KvError::Corrupt {
+                key: key.to_string(),
+                reason: e.to_string(),
+            })?;
+        for logged in changes {
+            self.apply(logged.tenant, logged.change, now_us);
+        }
+        Ok(())
+    }
+
+    /// Applies one change, by the two rules in the module doc.
+    pub fn apply(&mut self, tenant: String, change: ClaimChange, now_us: u64) {
+        match change {
+            ClaimChange::Put(record) => {
+                let claims = self.tenants.entry(tenant).or_default();
+                let slot = (record.source_id.clone(), record.key.clone());
+                let keeps_commit = claims
+                    .get(&slot)
+                    .is_some_and(|held| held.committed && held.expires_us > now_us);
+                if !(keeps_commit && !record.committed) {
+                    claims.insert(slot, record);
+                }
+            }
+            ClaimChange::Delete {
+                source_id,
+                key,
+                hook_id,
+                ..
+            } => {
+                let Some(claims) = self.tenants.get_mut(&tenant) else {
+                    return;
+                };
+                let slot = (source_id, key);
+                if claims
+                    .get(&slot)
+                    .is_some_and(|held| !held.committed && held.hook_id == hook_id)
+                {
+                    claims.remove(&slot);
+                }
+            }
+        }
+    }
+
+    /// The live claims, per tenant, as snapshots without buckets.
+    pub fn finish(self, now_us: u64) -> impl Iterator<Item = TenantSnapshot> {
+        self.tenants
+            .into_iter()
+            .filter_map(move |(tenant, claims)| {
+                let claims: Vec<ClaimRecord> = claims
+                    .into_values()
+                    .filter(|c| c.expires_us > now_us)
+                    .collect();
+                (!claims.is_empty()).then(|| TenantSnapshot {
+                    tenant,
+                    buckets: Vec::new(),
+                    claims,
+                })
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOW: u64 = 1_000_000_000;
+
+    fn record(key: &str, hook: &str, committed: bool, expires_us: u64) -> ClaimRecord {
+        ClaimRecord {
+            source_id: "src".into(),
+            key: key.into(),
+            hook_id: hook.into(),
+            node: (!committed).then(|| "n1".to_string()),
+            committed,
+            expires_us,
+        }
+    }
+
+    fn put(key: &str, hook: &str, committed: bool, expires_us: u64) -> ClaimChange {
+        ClaimChange::Put(record(key, hook, committed, expires_us))
+    }
+
+    fn delete(key: &str, hook: &str) -> ClaimChange {
+        ClaimChange::Delete {
+            source_id: "src".into(),
+            key: key.into(),
+            hook_id: hook.into(),
+            expires_us: NOW + 10,
+        }
+    }
+
+    fn replay(changes: Vec<ClaimChange>) -> Vec<ClaimRecord> {
+        let encoded: Vec<EncodedChange> =
+            changes.iter().map(|c| EncodedChange::new("t", c)).collect();
+        let payload = frame(encoded.iter().map(|e| e.bytes.as_slice()));
+        let mut replay = Replay::default();
+        replay
+            .apply_message("l.0.w.1", &payload, NOW)
+            .expect("decodes");
+        let mut claims: Vec<ClaimRecord> = replay.finish(NOW).flat_map(|t| t.claims).collect();
+        claims.sort_by(|a, b| a.key.cmp(&b.key));
+        claims
+    }
+
+    #[test]
+    fn the_last_change_of_a_key_wins() {
+        let claims = replay(vec![
+            put("a", "h1", false, NOW + 5),
+            put("a", "h1", true, NOW + 50),
+            put("b", "h2", false, NOW + 5),
+            delete("b", "h2"),
+            put("c", "h3", false, NOW + 5),
+        ]);
+        assert_eq!(
+            claims,
+            vec![
+                record("a", "h1", true, NOW + 50),
+                record("c", "h3", false, NOW + 5)
+            ]
+        );
+    }
+
+    #[test]
+    fn a_late_pending_write_never_replaces_a_live_commit() {
+        let claims = replay(vec![
+            put("a", "h2", true, NOW + 50),
+            put("a", "h1", false, NOW + 5),
+            // Its own pending write landing after its commit changes nothing either.
+            put("a", "h2", false, NOW + 5),
+        ]);
+        assert_eq!(claims, vec![record("a", "h2", true, NOW + 50)]);
+    }
+
+    #[test]
+    fn a_release_deletes_only_its_own_pending_claim() {
+        let claims = replay(vec![
+            put("a", "h2", true, NOW + 50),
+            delete("a", "h2"),
+            put("b", "h3", false, NOW + 5),
+            delete("b", "h1"),
+            delete("c", "h1"),
+        ]);
+        assert_eq!(
+            claims,
+            vec![
+                record("a", "h2", true, NOW + 50),
+                record("b", "h3", false, NOW + 5)
+            ]
+        );
+    }
+
+    #[test]
+    fn expired_claims_are_left_out_and_free_the_key() {
+        let claims = replay(vec![
+            put("a", "h1", true, NOW),
+            // The commit above has expired: a new pending claim may follow it.
+            put("a", "h2", false, NOW + 5),
+            put("b", "h3", true, NOW - 1),
+        ]);
+        assert_eq!(claims, vec![record("a", "h2", false, NOW + 5)]);
+    }
+
+    #[test]
+    fn a_change_is_kept_as_long_as_the_claim_it_writes_or_cancels() {
+        assert_eq!(
+            EncodedChange::new("t", &put("a", "h", true, NOW + 7)).keep_until_us,
+            NOW + 7
+        );
+        assert_eq!(
+            EncodedChange::new("t", &delete("a", "h")).keep_until_us,
+            NOW + 10
+        );
+    }
+
+    #[test]
+    fn an_unreadable_message_is_a_typed_error() {
+        let mut replay = Replay::default();
+        for payload in [&b"\xc1"[..], b"", b"\x91\x01"] {
+            assert!(matches!(
+                replay.apply_message("l.0.w.2", payload, NOW),
+                Err(KvError::Corrupt { .. })
+            ));
+        }
+    }
+
+    #[test]
+    fn framing_matches_a_serialized_vec() {
+        let changes = [put("a", "h1", false, NOW + 5), delete("a", "h1")];
+        let encoded: Vec<EncodedChange> =
+            changes.iter().map(|c| EncodedChange::new("t", c)).collect();
+        let framed = frame(encoded.iter().map(|e| e.bytes.as_slice()));
+        let owned: Vec<LoggedChange> = changes
+            .iter()
+            .map(|c| LoggedChange {
+                tenant: "t".into(),
+                change: c.clone(),
+            })
+            .collect();
+        assert_eq!(
+            framed.as_ref(),
+            rmp_serde::to_vec_named(&owned).expect("encodes")
+        );
+    }
+}
