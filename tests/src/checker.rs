@@ -52,11 +52,17 @@
 //!      being exact about the flush interval: one burst (`capacity`) plus what
 //!      the rate refills in one flush interval. A graceful handoff flushes first
 //!      and loses nothing, but it is counted the same (it is still a fault window).
-//! 5. **Recovery.** After the last fault ended, every shard answers from the
+//! 5. **Recovery.** After *each* fault ended, every shard answers from the
 //!    fleet again (some call on it, invoked after that instant, got a fleet
-//!    answer) within `recovery_bound`, and every edge that answered locally
-//!    during the run got a fleet answer again within the same bound. Every fault
-//!    must have ended.
+//!    answer) within `recovery_bound`; and after the last one, every edge that
+//!    answered locally during the run got a fleet answer again within the same
+//!    bound. Every fault must have ended.
+//! 6. **Takeover.** While a fault isolates a running node from NATS for longer
+//!    than its lease ([`FaultKind::isolates_node`]: a network cut), the rest of
+//!    the fleet takes its shards over: every shard answers from the fleet a
+//!    call invoked after `fault start + lease TTL` (the isolated node cannot
+//!    answer it, nor can anything it sent before the cut still be in flight)
+//!    and completed before the fault ended.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
@@ -108,6 +114,7 @@ pub enum Rule {
     Deadline,
     RateLimit,
     Recovery,
+    Takeover,
 }
 
 /// A broken rule and the events that show it.
@@ -157,6 +164,14 @@ pub struct Report {
     pub recovery: BTreeMap<u32, Micros>,
     /// Worst of `recovery`.
     pub recovery_max: Option<Micros>,
+    /// Per fault (same order as `faults`): how long after it ended every shard
+    /// had answered from the fleet (`None`: some shard never did, or the fault
+    /// never ended).
+    pub recovery_by_fault: Vec<Option<Micros>>,
+    /// Per fault: for one that isolates a node, how long after its start every
+    /// shard had answered from the fleet a call invoked after `start + lease
+    /// TTL` (`None` for other kinds, or when some shard was not taken over).
+    pub takeover_by_fault: Vec<Option<Micros>>,
     /// When the last fault ended.
     pub last_fault_end: Option<Micros>,
     pub faults: Vec<FaultEvent>,
@@ -189,13 +204,31 @@ impl Report {
         let _ = writeln!(out, "faults: {}", self.faults.len());
         for (i, f) in self.faults.iter().enumerate() {
             let took = f.end.map(|e| format!("{:.0} ms", ms(e - f.start)));
+            let recovered = match self.recovery_by_fault.get(i).copied().flatten() {
+                Some(r) => format!("every shard answered {:.0} ms after its end", ms(r)),
+                None => "NOT every shard answered after it".into(),
+            };
+            let taken = match (f.kind.isolates_node(), self.takeover_by_fault.get(i)) {
+                (true, Some(Some(t))) => {
+                    format!("; taken over {:.0} ms after its start", ms(*t))
+                }
+                (true, _) => "; NOT taken over while it lasted".into(),
+                (false, _) => String::new(),
+            };
             let _ = writeln!(
                 out,
-                "  #{i} {:?} {} at {:.1} s, lasted {}",
+                "  #{i} {:?} {} at {:.1} s, lasted {}; {recovered}{taken}",
                 f.kind,
                 f.target,
                 ms(f.start) / 1000.0,
                 took.unwrap_or_else(|| "forever (never ended)".into())
+            );
+        }
+        if let Some(worst) = self.recovery_by_fault.iter().copied().flatten().max() {
+            let _ = writeln!(
+                out,
+                "recovery after each fault: worst {:.0} ms (every shard answering from the fleet)",
+                ms(worst)
             );
         }
         let _ = writeln!(
@@ -238,9 +271,15 @@ impl Report {
             .iter()
             .filter(|a| a.why == Attribution::Local)
             .count();
+        let mut by_kind: BTreeMap<FaultKind, usize> = BTreeMap::new();
+        for a in &self.attributed {
+            if let Attribution::Fault { kind, .. } = a.why {
+                *by_kind.entry(kind).or_default() += 1;
+            }
+        }
         let _ = writeln!(
             out,
-            "attributed conflicts: {} ({local} local, {} to fault windows)",
+            "attributed conflicts: {} ({local} local, {} to fault windows {by_kind:?})",
             self.attributed.len(),
             self.attributed.len() - local
         );
@@ -353,7 +392,9 @@ pub fn check_with_stalls(
     }
     check_deadlines(events, stalls, config, &mut report);
     check_rates(events, &fault_windows, config, &mut report);
-    check_recovery(events, faults, config, &mut report);
+    let answers = fleet_answers_by_shard(events, config.shards);
+    check_recovery(events, faults, &answers, config, &mut report);
+    check_takeover(faults, &answers, config, &mut report);
     report
 }
 
@@ -609,12 +650,50 @@ fn check_rates(
     report.tightest_rate = tightest.map(|(_, t, k, u, b)| (t, k, u, b));
 }
 
+/// Per shard, its calls that got a fleet answer, as (invoked, completed),
+/// sorted by invocation.
+fn fleet_answers_by_shard(events: &[Event], shards: u32) -> Vec<Vec<(Micros, Micros)>> {
+    let mut by_shard = vec![Vec::new(); shards as usize];
+    for e in events {
+        if e.result.answered() != Some(Answered::Fleet) {
+            continue;
+        }
+        if let Some(calls) = by_shard.get_mut(e.shard as usize) {
+            calls.push((e.invoked, e.completed));
+        }
+    }
+    for calls in &mut by_shard {
+        calls.sort_unstable();
+    }
+    by_shard
+}
+
+/// The earliest completion of a call invoked at or after `from` (and, when
+/// given, completed by `until`) in `calls` (sorted by invocation).
+fn first_answer(calls: &[(Micros, Micros)], from: Micros, until: Option<Micros>) -> Option<Micros> {
+    let start = calls.partition_point(|&(invoked, _)| invoked < from);
+    let mut best: Option<Micros> = None;
+    for &(invoked, completed) in &calls[start..] {
+        // A call invoked later cannot complete earlier than that.
+        if best.is_some_and(|b| invoked >= b) || until.is_some_and(|u| invoked > u) {
+            break;
+        }
+        if until.is_some_and(|u| completed > u) {
+            continue;
+        }
+        best = Some(best.map_or(completed, |b| b.min(completed)));
+    }
+    best
+}
+
 fn check_recovery(
     events: &[Event],
     faults: &[FaultEvent],
+    answers: &[Vec<(Micros, Micros)>],
     config: &CheckerConfig,
     report: &mut Report,
 ) {
+    report.recovery_by_fault = vec![None; faults.len()];
     if faults.is_empty() {
         return;
     }
@@ -628,33 +707,45 @@ fn check_recovery(
     }
     let last = faults.iter().filter_map(|f| f.end).max().unwrap_or(0);
     report.last_fault_end = Some(last);
-    let fleet_after =
-        |e: &&Event| e.invoked >= last && e.result.answered() == Some(Answered::Fleet);
-    for shard in 0..config.shards {
-        let first = events
-            .iter()
-            .filter(|e| e.shard == shard)
-            .filter(fleet_after)
-            .map(|e| e.completed - last)
-            .min();
-        match first {
-            Some(took) if took <= config.recovery_bound => {
-                report.recovery.insert(shard, took);
+    for (index, fault) in faults.iter().enumerate() {
+        let end = fault.end.unwrap_or(last);
+        let mut worst = Some(0);
+        for (shard, calls) in answers.iter().enumerate() {
+            let shard = shard as u32;
+            let took = first_answer(calls, end, None).map(|at| at - end);
+            if end == last {
+                if let Some(took) = took.filter(|t| *t <= config.recovery_bound) {
+                    report.recovery.insert(shard, took);
+                }
             }
-            other => report.violations.push(Violation {
-                rule: Rule::Recovery,
-                message: match other {
-                    Some(took) => format!(
-                        "shard {shard} first answered {took} µs after the last fault, over the bound of {} µs",
-                        config.recovery_bound
-                    ),
-                    None => format!("shard {shard} never answered from the fleet after the last fault"),
-                },
-                events: Vec::new(),
-            }),
+            match took {
+                Some(took) if took <= config.recovery_bound => {
+                    worst = worst.map(|w: Micros| w.max(took));
+                }
+                other => {
+                    worst = None;
+                    report.violations.push(Violation {
+                        rule: Rule::Recovery,
+                        message: match other {
+                            Some(took) => format!(
+                                "shard {shard} first answered {took} µs after fault #{index} ({:?} on {}) ended, over the bound of {} µs",
+                                fault.kind, fault.target, config.recovery_bound
+                            ),
+                            None => format!(
+                                "shard {shard} never answered from the fleet after fault #{index} ({:?} on {}) ended",
+                                fault.kind, fault.target
+                            ),
+                        },
+                        events: Vec::new(),
+                    });
+                }
+            }
         }
+        report.recovery_by_fault[index] = worst;
     }
     report.recovery_max = report.recovery.values().copied().max();
+    let fleet_after =
+        |e: &&Event| e.invoked >= last && e.result.answered() == Some(Answered::Fleet);
     let degraded: BTreeSet<&str> = events
         .iter()
         .filter(|e| e.result.answered() == Some(Answered::Local))
@@ -677,5 +768,39 @@ fn check_recovery(
                 events: Vec::new(),
             });
         }
+    }
+}
+
+fn check_takeover(
+    faults: &[FaultEvent],
+    answers: &[Vec<(Micros, Micros)>],
+    config: &CheckerConfig,
+    report: &mut Report,
+) {
+    report.takeover_by_fault = vec![None; faults.len()];
+    for (index, fault) in faults.iter().enumerate() {
+        // A fault that never ended is the recovery rule's violation.
+        let (true, Some(end)) = (fault.kind.isolates_node(), fault.end) else {
+            continue;
+        };
+        let from = fault.start + config.lease_ttl;
+        let mut worst = Some(0);
+        for (shard, calls) in answers.iter().enumerate() {
+            match first_answer(calls, from, Some(end)) {
+                Some(at) => worst = worst.map(|w: Micros| w.max(at - fault.start)),
+                None => {
+                    worst = None;
+                    report.violations.push(Violation {
+                        rule: Rule::Takeover,
+                        message: format!(
+                            "shard {shard} got no fleet answer to a call made between {from} µs (fault #{index} {:?} on {} began + lease TTL) and the fault's end at {end} µs: nobody took it over",
+                            fault.kind, fault.target
+                        ),
+                        events: Vec::new(),
+                    });
+                }
+            }
+        }
+        report.takeover_by_fault[index] = worst;
     }
 }
