@@ -15,11 +15,12 @@
 //!    that succeeds proves the claim was still pending, so that commit never took).
 //! 2. **No double accept.** No hit answered `Ok` for hook h2 on key k while
 //!    another hook h1 certainly held k: either a commit of h1 answered `Ok`
-//!    before h2's hit was invoked and h2's hit was invoked before
-//!    `commit invoked + ttl` (the earliest the commit can expire), or h1's own hit
-//!    answered `Ok` before and h2's hit was invoked before
-//!    `hit invoked + pending_ttl`, with no release of h1 that could have freed
-//!    the key invoked before h2's hit completed. A conflict where either answer
+//!    before h2's hit was invoked and h2's hit *completed* before
+//!    `commit invoked + ttl` (the earliest the commit can expire; h2's hit may
+//!    have taken effect as late as its completion), or h1's own hit answered
+//!    `Ok` before and h2's hit completed before `hit invoked + pending_ttl`,
+//!    with no release of h1 that could have freed the key invoked before h2's
+//!    hit completed. A conflict where either answer
 //!    came from an edge's *local* state is *attributed* (the fleet never saw that
 //!    claim), and so is one whose second hit overlaps a fault window
 //!    `[fault start, fault end + lease TTL + attribution slack]`. Attributed
@@ -433,8 +434,9 @@ fn check_lost_webhooks(group: &[&Event], report: &mut Report) {
     }
 }
 
-/// Whether `holder` certainly held its key when `second` was invoked, as a
-/// committed claim (`holder` is a commit) or a pending one (`holder` is a hit).
+/// Whether `holder` certainly held its key whenever `second` took effect
+/// (anywhere from its invocation to its completion), as a committed claim
+/// (`holder` is a commit) or a pending one (`holder` is a hit).
 fn certainly_held(group: &[&Event], holder: &Event, second: &Event, tolerance: Micros) -> bool {
     let Some(claim) = &holder.claim else {
         return false;

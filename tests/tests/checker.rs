@@ -204,6 +204,44 @@ fn a_second_accept_of_a_committed_key_is_a_double_accept() {
 }
 
 #[test]
+fn a_second_accept_that_may_have_taken_effect_after_the_expiry_is_fine() {
+    // Committed at 10 ms for 4 s: the earliest expiry is 4.01 s. A hit invoked
+    // at 3.9 s that completes at 4.1 s may have been applied after it.
+    let mut events = committed_then_duplicate();
+    events.push(Event {
+        completed: 4_100 * MS,
+        ..hit("c", "k", "h3", 3_900, ok())
+    });
+    // Pending from 0 for 3 s; a hit from 2.95 s to 3.2 s.
+    events.push(hit("a", "p", "h4", 0, ok()));
+    events.push(Event {
+        completed: 3_200 * MS,
+        ..hit("b", "p", "h5", 2_950, ok())
+    });
+    let report = check(&events, &[], &config());
+    assert!(report.is_clean(), "{}", report.render());
+
+    // The same hits completing before the expiries are double accepts.
+    let mut events = committed_then_duplicate();
+    events.push(Event {
+        completed: 3_990 * MS,
+        ..hit("c", "k", "h3", 3_900, ok())
+    });
+    events.push(hit("a", "p", "h4", 0, ok()));
+    events.push(Event {
+        completed: 2_980 * MS,
+        ..hit("b", "p", "h5", 2_950, ok())
+    });
+    let report = check(&events, &[], &config());
+    assert_eq!(
+        report.violations_of(Rule::DoubleAccept),
+        2,
+        "{}",
+        report.render()
+    );
+}
+
+#[test]
 fn a_second_accept_while_the_first_is_pending_is_a_double_accept() {
     let events = vec![hit("a", "k", "h1", 0, ok()), hit("b", "k", "h2", 100, ok())];
     let report = check(&events, &[], &config());
