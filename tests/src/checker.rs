@@ -284,7 +284,30 @@ impl Report {
             self.attributed.len(),
             self.attributed.len() - local
         );
-        for a in self.attributed.iter().take(10) {
+        // Conflicts in fault windows first: the fleet answered both, which is
+        // rarer and more telling than an edge's local answer.
+        let (in_faults, local_only): (Vec<_>, Vec<_>) = self
+            .attributed
+            .iter()
+            .partition(|a| a.why != Attribution::Local);
+        for a in in_faults.iter().take(10) {
+            let _ = writeln!(
+                out,
+                "  {:?}: holder {} {:?} then {} got Ok for {:?} at {:.1} s",
+                a.why,
+                a.holder.client,
+                a.holder.hook_id(),
+                a.second.client,
+                a.second.hook_id(),
+                ms(a.second.invoked) / 1000.0
+            );
+            let _ = writeln!(out, "      holder: {:?}", a.holder);
+            let _ = writeln!(out, "      second: {:?}", a.second);
+        }
+        for a in local_only
+            .iter()
+            .take(10usize.saturating_sub(in_faults.len()))
+        {
             let _ = writeln!(
                 out,
                 "  {:?}: holder {} {:?} then {} got Ok for {:?} at {:.1} s",
@@ -446,10 +469,10 @@ fn certainly_held(group: &[&Event], holder: &Event, second: &Event, tolerance: M
     }
     if is_commit(holder) {
         return settled_ok(holder).is_some()
-            && second.invoked + tolerance < holder.invoked + claim.ttl_ms * 1000;
+            && second.completed + tolerance < holder.invoked + claim.ttl_ms * 1000;
     }
     if hit_ok(holder).is_none()
-        || second.invoked + tolerance >= holder.invoked + claim.pending_ttl_ms * 1000
+        || second.completed + tolerance >= holder.invoked + claim.pending_ttl_ms * 1000
     {
         return false;
     }
