@@ -27,6 +27,7 @@
 //!
 //! `ANKUSA_SOAK_SECS=<n>` repeats the fault cycle until n seconds have passed.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -131,14 +132,10 @@ impl Fleet {
         }
     }
 
-    /// Who holds each shard's lease now, by the KV (empty if it cannot be read).
-    async fn lease_holders(&self) -> std::collections::HashMap<u32, String> {
-        let Some(kv) = &self.kv else {
-            return Default::default();
-        };
-        match tokio::time::timeout(Duration::from_secs(2), kv.lease_holders()).await {
-            Ok(Ok(holders)) => holders,
-            _ => Default::default(),
+    async fn lease_holders(&self) -> HashMap<u32, String> {
+        match &self.kv {
+            Some(kv) => lease_holders(kv).await,
+            None => HashMap::new(),
         }
     }
 
@@ -164,6 +161,19 @@ impl Fleet {
             }
         }
     }
+}
+
+/// Who holds each shard's lease now, by the KV (empty if it cannot be read).
+async fn lease_holders(kv: &FleetKv) -> HashMap<u32, String> {
+    match tokio::time::timeout(Duration::from_secs(2), kv.lease_holders()).await {
+        Ok(Ok(holders)) => holders,
+        _ => HashMap::new(),
+    }
+}
+
+/// How many shards' leases `node` holds.
+fn leases_of(holders: &HashMap<u32, String>, node: &str) -> usize {
+    holders.values().filter(|n| n.as_str() == node).count()
 }
 
 /// One of the edge clients.
@@ -396,13 +406,10 @@ async fn net_cut(
     tag: String,
 ) -> CutSeen {
     // The cut must take shards away from the node, or it tests nothing.
-    let holds = |h: &std::collections::HashMap<u32, String>| {
-        h.values().filter(|n| n.as_str() == CUT_NODE).count()
-    };
     let mut held_before = 0;
     let deadline = tokio::time::Instant::now() + RECOVERY_BOUND;
     while held_before == 0 && tokio::time::Instant::now() < deadline {
-        held_before = holds(&fleet.lease_holders().await);
+        held_before = leases_of(&fleet.lease_holders().await, CUT_NODE);
         if held_before == 0 {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -418,6 +425,17 @@ async fn net_cut(
     let f = history.fault_start(kind, CUT_NODE);
     let began = tokio::time::Instant::now();
     fleet.cut.blackhole();
+    let kv = fleet.kv.clone().expect("the test's lease view is open");
+    let moving = tokio::spawn(async move {
+        while began.elapsed() + Duration::from_millis(100) < CUT {
+            let holders = lease_holders(&kv).await;
+            if holders.len() == SHARDS as usize && leases_of(&holders, CUT_NODE) == 0 {
+                return Some(began.elapsed());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        None
+    });
     tokio::time::sleep(Duration::from_millis(LEASE_TTL_MS)).await;
     let taking_over = tokio::spawn(probe_every_shard(
         probe.clone(),
@@ -443,15 +461,7 @@ async fn net_cut(
             disconnected_after = Some(began.elapsed());
         }
     }
-    let mut leases_moved_after = None;
-    while leases_moved_after.is_none() && began.elapsed() + Duration::from_millis(100) < CUT {
-        let holders = fleet.lease_holders().await;
-        if holders.len() == SHARDS as usize && holds(&holders) == 0 {
-            leases_moved_after = Some(began.elapsed());
-        } else {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
+    let leases_moved_after = moving.await.expect("lease watch");
     taking_over.await.expect("takeover probe");
     tokio::time::sleep_until(began + CUT).await;
     fleet.cut.restore().await.expect("the proxy forwards again");
@@ -468,7 +478,9 @@ async fn net_cut(
     let restored = tokio::time::Instant::now();
     let mut rejoined_after = None;
     while rejoined_after.is_none() && restored.elapsed() < RECOVERY_BOUND {
-        if holds(&fleet.lease_holders().await) > 0 && fleet.node(CUT_NODE).is_ready().await {
+        if leases_of(&fleet.lease_holders().await, CUT_NODE) > 0
+            && fleet.node(CUT_NODE).is_ready().await
+        {
             rejoined_after = Some(restored.elapsed());
         } else {
             tokio::time::sleep(Duration::from_millis(50)).await;
