@@ -132,10 +132,10 @@ impl Fleet {
         }
     }
 
-    async fn lease_holders(&self) -> HashMap<u32, String> {
+    async fn lease_holders(&self) -> Result<HashMap<u32, String>, String> {
         match &self.kv {
             Some(kv) => lease_holders(kv).await,
-            None => HashMap::new(),
+            None => Err("the test's lease view is not open".into()),
         }
     }
 
@@ -164,10 +164,11 @@ impl Fleet {
 }
 
 /// Who holds each shard's lease now, by the KV (empty if it cannot be read).
-async fn lease_holders(kv: &FleetKv) -> HashMap<u32, String> {
+async fn lease_holders(kv: &FleetKv) -> Result<HashMap<u32, String>, String> {
     match tokio::time::timeout(Duration::from_secs(2), kv.lease_holders()).await {
-        Ok(Ok(holders)) => holders,
-        _ => HashMap::new(),
+        Ok(Ok(holders)) => Ok(holders),
+        Ok(Err(err)) => Err(err.to_string()),
+        Err(_) => Err("listing the leases took over 2 s".into()),
     }
 }
 
@@ -407,18 +408,36 @@ async fn net_cut(
 ) -> CutSeen {
     // The cut must take shards away from the node, or it tests nothing.
     let mut held_before = 0;
+    let mut seen = Err("not read yet".to_string());
     let deadline = tokio::time::Instant::now() + RECOVERY_BOUND;
     while held_before == 0 && tokio::time::Instant::now() < deadline {
-        held_before = leases_of(&fleet.lease_holders().await, CUT_NODE);
+        seen = fleet.lease_holders().await;
+        held_before = seen.as_ref().map_or(0, |h| leases_of(h, CUT_NODE));
         if held_before == 0 {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
-    assert!(
-        held_before > 0,
-        "{CUT_NODE} held no lease before the cut; log tail:\n{}",
-        fleet.node(CUT_NODE).log_tail(30)
-    );
+    if held_before == 0 {
+        let (stats, link) = (fleet.cut.stats(), fleet.cut.link());
+        let node = fleet.node(CUT_NODE);
+        let ready = node.http("/readyz").await;
+        let mut gauges = Vec::new();
+        for name in [
+            "ankusa_shards_owned",
+            "ankusa_shards_target",
+            "ankusa_nats_connected",
+            LEASES_LOST,
+            "ankusa_lease_renew_failures_total",
+        ] {
+            gauges.push((name, node.metric(name).await));
+        }
+        panic!(
+            "{CUT_NODE} held no lease before the cut (for {RECOVERY_BOUND:?}); the test's lease view: {seen:?}; its /readyz: {ready:?}; {gauges:?}; proxy {:?} (link {:?}); log tail:\n{}",
+            stats,
+            link,
+            node.log_tail(30)
+        );
+    }
     let lost_before = counter(fleet.node(CUT_NODE), LEASES_LOST).await;
     let dropped_before = counter(fleet.node(CUT_NODE), DROPPED_BY_LEASE).await;
 
@@ -428,7 +447,7 @@ async fn net_cut(
     let kv = fleet.kv.clone().expect("the test's lease view is open");
     let moving = tokio::spawn(async move {
         while began.elapsed() + Duration::from_millis(100) < CUT {
-            let holders = lease_holders(&kv).await;
+            let holders = lease_holders(&kv).await.unwrap_or_default();
             if holders.len() == SHARDS as usize && leases_of(&holders, CUT_NODE) == 0 {
                 return Some(began.elapsed());
             }
@@ -478,7 +497,7 @@ async fn net_cut(
     let restored = tokio::time::Instant::now();
     let mut rejoined_after = None;
     while rejoined_after.is_none() && restored.elapsed() < RECOVERY_BOUND {
-        if leases_of(&fleet.lease_holders().await, CUT_NODE) > 0
+        if leases_of(&fleet.lease_holders().await.unwrap_or_default(), CUT_NODE) > 0
             && fleet.node(CUT_NODE).is_ready().await
         {
             rejoined_after = Some(restored.elapsed());
