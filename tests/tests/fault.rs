@@ -383,8 +383,41 @@ struct CutSeen {
     leases_lost: f64,
     dropped_by_lease: f64,
     proxy: NetCutStats,
+    /// When the node did not rejoin: what it said about itself then.
+    diagnosis: Option<Diagnosis>,
     /// When the link was restored (the fault's end).
     restored_at: tokio::time::Instant,
+}
+
+/// What a node says about itself (readiness, lease gauges, the proxy's link,
+/// its log's tail), for a failure message.
+async fn diagnose(fleet: &mut Fleet, id: &str) -> String {
+    let (stats, link) = (fleet.cut.stats(), fleet.cut.link());
+    let node = fleet.node(id);
+    let ready = node.http("/readyz").await;
+    let mut gauges = Vec::new();
+    for name in [
+        "ankusa_shards_owned",
+        "ankusa_shards_target",
+        "ankusa_nats_connected",
+        LEASES_LOST,
+        "ankusa_lease_renew_failures_total",
+    ] {
+        gauges.push((name, node.metric(name).await));
+    }
+    format!(
+        "{id}'s /readyz: {ready:?}; {gauges:?}; proxy {stats:?} (link {link:?}); log tail:\n{}",
+        node.log_tail(60)
+    )
+}
+
+/// A node's diagnosis, kept out of `Debug` output (it carries a log tail).
+struct Diagnosis(String);
+
+impl std::fmt::Debug for Diagnosis {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<diagnosis>")
+    }
 }
 
 /// A counter of a node, 0 when not exported yet (counters appear on first use).
@@ -418,24 +451,9 @@ async fn net_cut(
         }
     }
     if held_before == 0 {
-        let (stats, link) = (fleet.cut.stats(), fleet.cut.link());
-        let node = fleet.node(CUT_NODE);
-        let ready = node.http("/readyz").await;
-        let mut gauges = Vec::new();
-        for name in [
-            "ankusa_shards_owned",
-            "ankusa_shards_target",
-            "ankusa_nats_connected",
-            LEASES_LOST,
-            "ankusa_lease_renew_failures_total",
-        ] {
-            gauges.push((name, node.metric(name).await));
-        }
         panic!(
-            "{CUT_NODE} held no lease before the cut (for {RECOVERY_BOUND:?}); the test's lease view: {seen:?}; its /readyz: {ready:?}; {gauges:?}; proxy {:?} (link {:?}); log tail:\n{}",
-            stats,
-            link,
-            node.log_tail(30)
+            "{CUT_NODE} held no lease before the cut (for {RECOVERY_BOUND:?}); a node that holds none yet reports ready has stopped renewing and heartbeating (docs/fault-tolerance.md, \"Observed\"); the test's lease view: {seen:?}; {}",
+            diagnose(fleet, CUT_NODE).await
         );
     }
     let lost_before = counter(fleet.node(CUT_NODE), LEASES_LOST).await;
@@ -506,6 +524,10 @@ async fn net_cut(
         }
     }
     recovering.await.expect("recovery probe");
+    let diagnosis = match rejoined_after {
+        None => Some(Diagnosis(diagnose(fleet, CUT_NODE).await)),
+        Some(_) => None,
+    };
     let node = fleet.node(CUT_NODE);
     CutSeen {
         kind,
@@ -516,6 +538,7 @@ async fn net_cut(
         leases_lost: counter(node, LEASES_LOST).await - lost_before,
         dropped_by_lease: counter(node, DROPPED_BY_LEASE).await - dropped_before,
         proxy: fleet.cut.stats(),
+        diagnosis,
         restored_at: restored,
     }
 }
@@ -525,6 +548,12 @@ async fn net_cut(
 /// disconnected it (the proxy cannot be bypassed), and it rejoined within the
 /// recovery bound.
 fn assert_cut_expectations(seen: &CutSeen) {
+    assert!(
+        seen.rejoined_after.is_some(),
+        "{:?}: {CUT_NODE} did not hold a lease and report ready within {RECOVERY_BOUND:?} of the link's restoration: {seen:?}\n{}",
+        seen.kind,
+        seen.diagnosis.as_ref().map_or("", |d| d.0.as_str())
+    );
     assert!(
         seen.leases_moved_after.is_some(),
         "{:?}: {CUT_NODE}'s leases did not all move to other nodes within the cut: {seen:?}",
@@ -541,11 +570,6 @@ fn assert_cut_expectations(seen: &CutSeen) {
             "{CUT_NODE} still reported a NATS connection while its link was refused: {seen:?}"
         );
     }
-    assert!(
-        seen.rejoined_after.is_some(),
-        "{:?}: {CUT_NODE} did not hold a lease and report ready within {RECOVERY_BOUND:?} of the link's restoration: {seen:?}",
-        seen.kind
-    );
 }
 
 fn soak() -> Option<Duration> {
