@@ -19,7 +19,10 @@
 //! Everything binds 127.0.0.1 only. The proxy is bounded: at most
 //! [`MAX_LIVE`] connections per server at once (more are reset), at most
 //! [`MAX_ACCEPTS`] accepted in its life, one fixed buffer per direction; all
-//! of its tasks end when the handle drops.
+//! of its tasks end when the handle drops. Its loops live as long as a
+//! connection or the handle and each turn waits on I/O or a state change, so
+//! none spins; waiting for a state change to take effect, and binding the port
+//! again, are bounded in time.
 
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
