@@ -15,11 +15,12 @@
 //!    that succeeds proves the claim was still pending, so that commit never took).
 //! 2. **No double accept.** No hit answered `Ok` for hook h2 on key k while
 //!    another hook h1 certainly held k: either a commit of h1 answered `Ok`
-//!    before h2's hit was invoked and h2's hit was invoked before
-//!    `commit invoked + ttl` (the earliest the commit can expire), or h1's own hit
-//!    answered `Ok` before and h2's hit was invoked before
-//!    `hit invoked + pending_ttl`, with no release of h1 that could have freed
-//!    the key invoked before h2's hit completed. A conflict where either answer
+//!    before h2's hit was invoked and h2's hit *completed* before
+//!    `commit invoked + ttl` (the earliest the commit can expire; h2's hit may
+//!    have taken effect as late as its completion), or h1's own hit answered
+//!    `Ok` before and h2's hit completed before `hit invoked + pending_ttl`,
+//!    with no release of h1 that could have freed the key invoked before h2's
+//!    hit completed. A conflict where either answer
 //!    came from an edge's *local* state is *attributed* (the fleet never saw that
 //!    claim), and so is one whose second hit overlaps a fault window
 //!    `[fault start, fault end + lease TTL + attribution slack]`. Attributed
@@ -52,11 +53,17 @@
 //!      being exact about the flush interval: one burst (`capacity`) plus what
 //!      the rate refills in one flush interval. A graceful handoff flushes first
 //!      and loses nothing, but it is counted the same (it is still a fault window).
-//! 5. **Recovery.** After the last fault ended, every shard answers from the
+//! 5. **Recovery.** After *each* fault ended, every shard answers from the
 //!    fleet again (some call on it, invoked after that instant, got a fleet
-//!    answer) within `recovery_bound`, and every edge that answered locally
-//!    during the run got a fleet answer again within the same bound. Every fault
-//!    must have ended.
+//!    answer) within `recovery_bound`; and after the last one, every edge that
+//!    answered locally during the run got a fleet answer again within the same
+//!    bound. Every fault must have ended.
+//! 6. **Takeover.** While a fault isolates a running node from NATS for longer
+//!    than its lease ([`FaultKind::isolates_node`]: a network cut), the rest of
+//!    the fleet takes its shards over: every shard answers from the fleet a
+//!    call invoked after `fault start + lease TTL` (the isolated node cannot
+//!    answer it, nor can anything it sent before the cut still be in flight)
+//!    and completed before the fault ended.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
@@ -108,6 +115,7 @@ pub enum Rule {
     Deadline,
     RateLimit,
     Recovery,
+    Takeover,
 }
 
 /// A broken rule and the events that show it.
@@ -157,6 +165,14 @@ pub struct Report {
     pub recovery: BTreeMap<u32, Micros>,
     /// Worst of `recovery`.
     pub recovery_max: Option<Micros>,
+    /// Per fault (same order as `faults`): how long after it ended every shard
+    /// had answered from the fleet (`None`: some shard never did, or the fault
+    /// never ended).
+    pub recovery_by_fault: Vec<Option<Micros>>,
+    /// Per fault: for one that isolates a node, how long after its start every
+    /// shard had answered from the fleet a call invoked after `start + lease
+    /// TTL` (`None` for other kinds, or when some shard was not taken over).
+    pub takeover_by_fault: Vec<Option<Micros>>,
     /// When the last fault ended.
     pub last_fault_end: Option<Micros>,
     pub faults: Vec<FaultEvent>,
@@ -189,13 +205,31 @@ impl Report {
         let _ = writeln!(out, "faults: {}", self.faults.len());
         for (i, f) in self.faults.iter().enumerate() {
             let took = f.end.map(|e| format!("{:.0} ms", ms(e - f.start)));
+            let recovered = match self.recovery_by_fault.get(i).copied().flatten() {
+                Some(r) => format!("every shard answered {:.0} ms after its end", ms(r)),
+                None => "NOT every shard answered after it".into(),
+            };
+            let taken = match (f.kind.isolates_node(), self.takeover_by_fault.get(i)) {
+                (true, Some(Some(t))) => {
+                    format!("; taken over {:.0} ms after its start", ms(*t))
+                }
+                (true, _) => "; NOT taken over while it lasted".into(),
+                (false, _) => String::new(),
+            };
             let _ = writeln!(
                 out,
-                "  #{i} {:?} {} at {:.1} s, lasted {}",
+                "  #{i} {:?} {} at {:.1} s, lasted {}; {recovered}{taken}",
                 f.kind,
                 f.target,
                 ms(f.start) / 1000.0,
                 took.unwrap_or_else(|| "forever (never ended)".into())
+            );
+        }
+        if let Some(worst) = self.recovery_by_fault.iter().copied().flatten().max() {
+            let _ = writeln!(
+                out,
+                "recovery after each fault: worst {:.0} ms (every shard answering from the fleet)",
+                ms(worst)
             );
         }
         let _ = writeln!(
@@ -238,13 +272,42 @@ impl Report {
             .iter()
             .filter(|a| a.why == Attribution::Local)
             .count();
+        let mut by_kind: BTreeMap<FaultKind, usize> = BTreeMap::new();
+        for a in &self.attributed {
+            if let Attribution::Fault { kind, .. } = a.why {
+                *by_kind.entry(kind).or_default() += 1;
+            }
+        }
         let _ = writeln!(
             out,
-            "attributed conflicts: {} ({local} local, {} to fault windows)",
+            "attributed conflicts: {} ({local} local, {} to fault windows {by_kind:?})",
             self.attributed.len(),
             self.attributed.len() - local
         );
-        for a in self.attributed.iter().take(10) {
+        // Conflicts in fault windows first: the fleet answered both, which is
+        // rarer and more telling than an edge's local answer.
+        let (in_faults, local_only): (Vec<_>, Vec<_>) = self
+            .attributed
+            .iter()
+            .partition(|a| a.why != Attribution::Local);
+        for a in in_faults.iter().take(10) {
+            let _ = writeln!(
+                out,
+                "  {:?}: holder {} {:?} then {} got Ok for {:?} at {:.1} s",
+                a.why,
+                a.holder.client,
+                a.holder.hook_id(),
+                a.second.client,
+                a.second.hook_id(),
+                ms(a.second.invoked) / 1000.0
+            );
+            let _ = writeln!(out, "      holder: {:?}", a.holder);
+            let _ = writeln!(out, "      second: {:?}", a.second);
+        }
+        for a in local_only
+            .iter()
+            .take(10usize.saturating_sub(in_faults.len()))
+        {
             let _ = writeln!(
                 out,
                 "  {:?}: holder {} {:?} then {} got Ok for {:?} at {:.1} s",
@@ -353,7 +416,9 @@ pub fn check_with_stalls(
     }
     check_deadlines(events, stalls, config, &mut report);
     check_rates(events, &fault_windows, config, &mut report);
-    check_recovery(events, faults, config, &mut report);
+    let answers = fleet_answers_by_shard(events, config.shards);
+    check_recovery(events, faults, &answers, config, &mut report);
+    check_takeover(faults, &answers, config, &mut report);
     report
 }
 
@@ -392,8 +457,9 @@ fn check_lost_webhooks(group: &[&Event], report: &mut Report) {
     }
 }
 
-/// Whether `holder` certainly held its key when `second` was invoked, as a
-/// committed claim (`holder` is a commit) or a pending one (`holder` is a hit).
+/// Whether `holder` certainly held its key whenever `second` took effect
+/// (anywhere from its invocation to its completion), as a committed claim
+/// (`holder` is a commit) or a pending one (`holder` is a hit).
 fn certainly_held(group: &[&Event], holder: &Event, second: &Event, tolerance: Micros) -> bool {
     let Some(claim) = &holder.claim else {
         return false;
@@ -403,10 +469,10 @@ fn certainly_held(group: &[&Event], holder: &Event, second: &Event, tolerance: M
     }
     if is_commit(holder) {
         return settled_ok(holder).is_some()
-            && second.invoked + tolerance < holder.invoked + claim.ttl_ms * 1000;
+            && second.completed + tolerance < holder.invoked + claim.ttl_ms * 1000;
     }
     if hit_ok(holder).is_none()
-        || second.invoked + tolerance >= holder.invoked + claim.pending_ttl_ms * 1000
+        || second.completed + tolerance >= holder.invoked + claim.pending_ttl_ms * 1000
     {
         return false;
     }
@@ -609,12 +675,50 @@ fn check_rates(
     report.tightest_rate = tightest.map(|(_, t, k, u, b)| (t, k, u, b));
 }
 
+/// Per shard, its calls that got a fleet answer, as (invoked, completed),
+/// sorted by invocation.
+fn fleet_answers_by_shard(events: &[Event], shards: u32) -> Vec<Vec<(Micros, Micros)>> {
+    let mut by_shard = vec![Vec::new(); shards as usize];
+    for e in events {
+        if e.result.answered() != Some(Answered::Fleet) {
+            continue;
+        }
+        if let Some(calls) = by_shard.get_mut(e.shard as usize) {
+            calls.push((e.invoked, e.completed));
+        }
+    }
+    for calls in &mut by_shard {
+        calls.sort_unstable();
+    }
+    by_shard
+}
+
+/// The earliest completion of a call invoked at or after `from` (and, when
+/// given, completed by `until`) in `calls` (sorted by invocation).
+fn first_answer(calls: &[(Micros, Micros)], from: Micros, until: Option<Micros>) -> Option<Micros> {
+    let start = calls.partition_point(|&(invoked, _)| invoked < from);
+    let mut best: Option<Micros> = None;
+    for &(invoked, completed) in &calls[start..] {
+        // A call invoked later cannot complete earlier than that.
+        if best.is_some_and(|b| invoked >= b) || until.is_some_and(|u| invoked > u) {
+            break;
+        }
+        if until.is_some_and(|u| completed > u) {
+            continue;
+        }
+        best = Some(best.map_or(completed, |b| b.min(completed)));
+    }
+    best
+}
+
 fn check_recovery(
     events: &[Event],
     faults: &[FaultEvent],
+    answers: &[Vec<(Micros, Micros)>],
     config: &CheckerConfig,
     report: &mut Report,
 ) {
+    report.recovery_by_fault = vec![None; faults.len()];
     if faults.is_empty() {
         return;
     }
@@ -628,33 +732,45 @@ fn check_recovery(
     }
     let last = faults.iter().filter_map(|f| f.end).max().unwrap_or(0);
     report.last_fault_end = Some(last);
-    let fleet_after =
-        |e: &&Event| e.invoked >= last && e.result.answered() == Some(Answered::Fleet);
-    for shard in 0..config.shards {
-        let first = events
-            .iter()
-            .filter(|e| e.shard == shard)
-            .filter(fleet_after)
-            .map(|e| e.completed - last)
-            .min();
-        match first {
-            Some(took) if took <= config.recovery_bound => {
-                report.recovery.insert(shard, took);
+    for (index, fault) in faults.iter().enumerate() {
+        let end = fault.end.unwrap_or(last);
+        let mut worst = Some(0);
+        for (shard, calls) in answers.iter().enumerate() {
+            let shard = shard as u32;
+            let took = first_answer(calls, end, None).map(|at| at - end);
+            if end == last {
+                if let Some(took) = took.filter(|t| *t <= config.recovery_bound) {
+                    report.recovery.insert(shard, took);
+                }
             }
-            other => report.violations.push(Violation {
-                rule: Rule::Recovery,
-                message: match other {
-                    Some(took) => format!(
-                        "shard {shard} first answered {took} µs after the last fault, over the bound of {} µs",
-                        config.recovery_bound
-                    ),
-                    None => format!("shard {shard} never answered from the fleet after the last fault"),
-                },
-                events: Vec::new(),
-            }),
+            match took {
+                Some(took) if took <= config.recovery_bound => {
+                    worst = worst.map(|w: Micros| w.max(took));
+                }
+                other => {
+                    worst = None;
+                    report.violations.push(Violation {
+                        rule: Rule::Recovery,
+                        message: match other {
+                            Some(took) => format!(
+                                "shard {shard} first answered {took} µs after fault #{index} ({:?} on {}) ended, over the bound of {} µs",
+                                fault.kind, fault.target, config.recovery_bound
+                            ),
+                            None => format!(
+                                "shard {shard} never answered from the fleet after fault #{index} ({:?} on {}) ended",
+                                fault.kind, fault.target
+                            ),
+                        },
+                        events: Vec::new(),
+                    });
+                }
+            }
         }
+        report.recovery_by_fault[index] = worst;
     }
     report.recovery_max = report.recovery.values().copied().max();
+    let fleet_after =
+        |e: &&Event| e.invoked >= last && e.result.answered() == Some(Answered::Fleet);
     let degraded: BTreeSet<&str> = events
         .iter()
         .filter(|e| e.result.answered() == Some(Answered::Local))
@@ -677,5 +793,39 @@ fn check_recovery(
                 events: Vec::new(),
             });
         }
+    }
+}
+
+fn check_takeover(
+    faults: &[FaultEvent],
+    answers: &[Vec<(Micros, Micros)>],
+    config: &CheckerConfig,
+    report: &mut Report,
+) {
+    report.takeover_by_fault = vec![None; faults.len()];
+    for (index, fault) in faults.iter().enumerate() {
+        // A fault that never ended is the recovery rule's violation.
+        let (true, Some(end)) = (fault.kind.isolates_node(), fault.end) else {
+            continue;
+        };
+        let from = fault.start + config.lease_ttl;
+        let mut worst = Some(0);
+        for (shard, calls) in answers.iter().enumerate() {
+            match first_answer(calls, from, Some(end)) {
+                Some(at) => worst = worst.map(|w: Micros| w.max(at - fault.start)),
+                None => {
+                    worst = None;
+                    report.violations.push(Violation {
+                        rule: Rule::Takeover,
+                        message: format!(
+                            "shard {shard} got no fleet answer to a call made between {from} µs (fault #{index} {:?} on {} began + lease TTL) and the fault's end at {end} µs: nobody took it over",
+                            fault.kind, fault.target
+                        ),
+                        events: Vec::new(),
+                    });
+                }
+            }
+        }
+        report.takeover_by_fault[index] = worst;
     }
 }

@@ -218,6 +218,24 @@ pub enum FaultKind {
     RestartNats,
     /// A new node joining the fleet (shards move to it).
     AddNode,
+    /// A node's network link to NATS cut for longer than the lease TTL while
+    /// the node runs: first blackholed (nothing forwarded either way, new
+    /// connections held silent), then every connection reset and new ones
+    /// refused; then restored, and the node has to reconnect.
+    NetCut,
+    /// A node's network link to NATS blackholed for longer than the lease TTL,
+    /// then forwarding resumes on the same connections: a partition that heals
+    /// before TCP gives up, so what either side sent during it arrives late.
+    NetBlackhole,
+}
+
+impl FaultKind {
+    /// Whether the fault leaves the node running but unable to reach NATS for
+    /// longer than its lease: the rest of the fleet must take its shards over
+    /// while it lasts.
+    pub fn isolates_node(self) -> bool {
+        matches!(self, FaultKind::NetCut | FaultKind::NetBlackhole)
+    }
 }
 
 /// One injected fault: from its first action to the end of its repair.

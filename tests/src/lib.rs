@@ -12,12 +12,16 @@
 //! - [`requests`]: builders for the contract's requests.
 //! - [`redis`]: a `redis-server` for the Redis + Lua baseline.
 //! - [`ports`]: free loopback ports that are not handed out twice per test process.
+//! - [`netcut`]: a loopback TCP proxy between one process and its nats-server(s)
+//!   that can blackhole or reset the link ([`NetCut`]).
+//! - [`history`], [`checker`]: the fault runs' history and the rules checked on it.
 
 pub mod checker;
 pub mod error;
 pub mod fleet;
 pub mod history;
 pub mod nats;
+pub mod netcut;
 pub mod ports;
 pub mod process;
 pub mod redis;
@@ -26,5 +30,6 @@ pub mod requests;
 pub use error::HarnessError;
 pub use fleet::{wait_until, NodeProcess, NodeSpec};
 pub use nats::{nats_server_bin, try_nats_server_bin, NatsCluster, NatsServer, ServerConfig};
+pub use netcut::{Link, NetCut, NetCutStats};
 pub use ports::free_port;
 pub use process::{cargo_bin, try_cargo_bin, ChildProcess, Signal};

@@ -122,6 +122,7 @@ pub struct ServerConfig {
     full: Option<String>,
     extra: String,
     jetstream: bool,
+    no_advertise: bool,
     ready_timeout: Duration,
 }
 
@@ -131,6 +132,7 @@ impl Default for ServerConfig {
             full: None,
             extra: String::new(),
             jetstream: true,
+            no_advertise: false,
             ready_timeout: Duration::from_secs(15),
         }
     }
@@ -162,6 +164,14 @@ impl ServerConfig {
     /// Turns JetStream on (default) or off.
     pub fn jetstream(mut self, on: bool) -> Self {
         self.jetstream = on;
+        self
+    }
+
+    /// In a cluster, stops members from advertising each other's client URLs
+    /// (`cluster { no_advertise: true }`): a client then only ever connects to
+    /// the URLs it was given, so a proxy in front of them cannot be bypassed.
+    pub fn no_advertise(mut self, on: bool) -> Self {
+        self.no_advertise = on;
         self
     }
 
@@ -284,9 +294,10 @@ impl NatsServer {
                 .collect();
             let _ = writeln!(
                 text,
-                "cluster {{\n  name: \"{}\"\n  listen: \"{LOOPBACK}:{port}\"\n  routes: [{}]\n}}",
+                "cluster {{\n  name: \"{}\"\n  listen: \"{LOOPBACK}:{port}\"\n  routes: [{}]\n  no_advertise: {}\n}}",
                 spec.name,
-                routes.join(", ")
+                routes.join(", "),
+                self.config.no_advertise
             );
         }
         text

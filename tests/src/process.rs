@@ -355,11 +355,39 @@ fn build_once(name: &str, dir: &Path) -> Result<(), HarnessError> {
     })
 }
 
+/// Variables cargo sets for the test binary of a package, not for the cargo
+/// process that built it.
+fn is_test_package_var(key: &str) -> bool {
+    [
+        "CARGO_PKG_",
+        "CARGO_MANIFEST_",
+        "CARGO_CRATE_",
+        "CARGO_BIN_",
+        "CARGO_PRIMARY_PACKAGE",
+        "CARGO_TARGET_TMPDIR",
+        "CARGO_RUSTC_CURRENT_DIR",
+    ]
+    .iter()
+    .any(|prefix| key.starts_with(prefix))
+        || key == "OUT_DIR"
+}
+
 fn run_cargo_build(name: &str, dir: &Path) -> Result<(), String> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.current_dir(workspace_root())
         .args(["build", "-p", "ankusa-node", "--bin", name]);
+    // Cargo runs a test with its package's variables set (CARGO_PKG_NAME,
+    // CARGO_MANIFEST_DIR, OUT_DIR, ...). Build scripts that rerun when those
+    // change (ring's does) would see them differ from the outer `cargo test`
+    // and rebuild, and the next `cargo test` would rebuild them back: minutes
+    // per run on a small box. The nested build gets the outer environment.
+    for (key, _) in std::env::vars_os() {
+        let Some(key) = key.to_str() else { continue };
+        if is_test_package_var(key) {
+            cmd.env_remove(key);
+        }
+    }
     let profile = dir
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())

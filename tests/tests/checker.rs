@@ -204,6 +204,44 @@ fn a_second_accept_of_a_committed_key_is_a_double_accept() {
 }
 
 #[test]
+fn a_second_accept_that_may_have_taken_effect_after_the_expiry_is_fine() {
+    // Committed at 10 ms for 4 s: the earliest expiry is 4.01 s. A hit invoked
+    // at 3.9 s that completes at 4.1 s may have been applied after it.
+    let mut events = committed_then_duplicate();
+    events.push(Event {
+        completed: 4_100 * MS,
+        ..hit("c", "k", "h3", 3_900, ok())
+    });
+    // Pending from 0 for 3 s; a hit from 2.95 s to 3.2 s.
+    events.push(hit("a", "p", "h4", 0, ok()));
+    events.push(Event {
+        completed: 3_200 * MS,
+        ..hit("b", "p", "h5", 2_950, ok())
+    });
+    let report = check(&events, &[], &config());
+    assert!(report.is_clean(), "{}", report.render());
+
+    // The same hits completing before the expiries are double accepts.
+    let mut events = committed_then_duplicate();
+    events.push(Event {
+        completed: 3_990 * MS,
+        ..hit("c", "k", "h3", 3_900, ok())
+    });
+    events.push(hit("a", "p", "h4", 0, ok()));
+    events.push(Event {
+        completed: 2_980 * MS,
+        ..hit("b", "p", "h5", 2_950, ok())
+    });
+    let report = check(&events, &[], &config());
+    assert_eq!(
+        report.violations_of(Rule::DoubleAccept),
+        2,
+        "{}",
+        report.render()
+    );
+}
+
+#[test]
 fn a_second_accept_while_the_first_is_pending_is_a_double_accept() {
     let events = vec![hit("a", "k", "h1", 0, ok()), hit("b", "k", "h2", 100, ok())];
     let report = check(&events, &[], &config());
@@ -539,4 +577,139 @@ fn a_degraded_edge_must_come_back_to_the_fleet() {
     events.push(hit("edge", "e2", "h4", 1_600, ok()));
     let report = check(&events, &faults, &config());
     assert!(report.is_clean(), "{}", report.render());
+}
+
+#[test]
+fn every_shard_must_answer_again_after_each_fault_not_only_the_last() {
+    let faults = vec![
+        FaultEvent {
+            kind: FaultKind::KillNode,
+            target: "node-a".into(),
+            start: 0,
+            end: Some(1_000 * MS),
+        },
+        FaultEvent {
+            kind: FaultKind::AddNode,
+            target: "node-d".into(),
+            start: 20_000 * MS,
+            end: Some(20_100 * MS),
+        },
+    ];
+    // Both shards answer right after the last fault; shard 1 took 12 s after
+    // the first one.
+    let mut events = both_shards(20_200);
+    events.push(hit("a", "k0", "h1", 1_100, ok()));
+    events.push(Event {
+        shard: 1,
+        ..hit("a", "k1", "h2", 13_000, ok())
+    });
+    let report = check(&events, &faults, &config());
+    assert_eq!(
+        report.violations_of(Rule::Recovery),
+        1,
+        "{}",
+        report.render()
+    );
+    assert_eq!(report.recovery_by_fault[0], None);
+    assert_eq!(report.recovery_by_fault[1], Some(101 * MS));
+
+    // Within the bound after each: clean, and each fault's time is reported.
+    events.push(Event {
+        shard: 1,
+        ..hit("a", "k2", "h3", 3_000, ok())
+    });
+    let report = check(&events, &faults, &config());
+    assert!(report.is_clean(), "{}", report.render());
+    assert_eq!(
+        report.recovery_by_fault,
+        vec![Some(2_001 * MS), Some(101 * MS)]
+    );
+}
+
+/// A network cut from 0 to 6 s (lease TTL 2 s); every shard answers after it.
+fn cut(kind: FaultKind) -> Vec<FaultEvent> {
+    vec![FaultEvent {
+        kind,
+        target: "node-c".into(),
+        start: 0,
+        end: Some(6_000 * MS),
+    }]
+}
+
+#[test]
+fn a_cut_node_s_shards_must_be_taken_over_while_the_cut_lasts() {
+    for kind in [FaultKind::NetCut, FaultKind::NetBlackhole] {
+        // Shard 0 is answered 2.5 s into the cut; shard 1 only before the
+        // lease could have lapsed (its old owner may have answered) and after
+        // the cut ended: nobody took it over.
+        let mut events = both_shards(6_100);
+        events.push(hit("a", "k0", "h1", 2_500, ok()));
+        events.push(Event {
+            shard: 1,
+            ..hit("a", "k1", "h2", 1_000, ok())
+        });
+        let report = check(&events, &cut(kind), &config());
+        assert_eq!(
+            report.violations_of(Rule::Takeover),
+            1,
+            "{kind:?}: {}",
+            report.render()
+        );
+        assert_eq!(report.takeover_by_fault, vec![None]);
+
+        // An answer that came back only after the cut ended does not count
+        // either, even for a call made during it.
+        let mut late = events.clone();
+        late.push(Event {
+            shard: 1,
+            completed: 6_001 * MS,
+            ..hit("a", "k2", "h3", 5_900, ok())
+        });
+        let report = check(&late, &cut(kind), &config());
+        assert_eq!(
+            report.violations_of(Rule::Takeover),
+            1,
+            "{kind:?}: {}",
+            report.render()
+        );
+
+        // Shard 1 answered by another node 3.5 s into the cut: taken over.
+        events.push(Event {
+            shard: 1,
+            ..hit("a", "k3", "h4", 3_500, ok())
+        });
+        let report = check(&events, &cut(kind), &config());
+        assert!(report.is_clean(), "{kind:?}: {}", report.render());
+        assert_eq!(report.takeover_by_fault, vec![Some(3_501 * MS)]);
+    }
+
+    // A pause does not require a takeover (the node may wake before anyone
+    // takes its shards): the same history is clean.
+    let mut events = both_shards(6_100);
+    events.push(Event {
+        shard: 1,
+        ..hit("a", "k1", "h2", 1_000, ok())
+    });
+    let report = check(&events, &cut(FaultKind::PauseNode), &config());
+    assert!(report.is_clean(), "{}", report.render());
+}
+
+#[test]
+fn a_double_accept_inside_a_network_cut_is_attributed_to_it() {
+    let mut events = committed_then_duplicate();
+    events.push(hit("c", "k", "h3", 2_000, ok()));
+    events.push(Event {
+        shard: 1,
+        ..hit("c", "other", "h4", 2_100, ok())
+    });
+    events.extend(both_shards(6_100));
+    let report = check(&events, &cut(FaultKind::NetBlackhole), &config());
+    assert!(report.is_clean(), "{}", report.render());
+    assert_eq!(
+        report.attributed[0].why,
+        Attribution::Fault {
+            index: 0,
+            kind: FaultKind::NetBlackhole
+        }
+    );
 }

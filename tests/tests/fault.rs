@@ -11,26 +11,36 @@
 //! of the four clients is a degrading [`Edge`], so local answers and the way
 //! back to the fleet are exercised too.
 //!
-//! Faults, one at a time with a recovery gap after each: kill -9 of a node (then
-//! a restart under the same name), SIGSTOP of a node for longer than the lease
-//! TTL (a zombie) then SIGCONT, SIGTERM of a node (graceful handoff) then a
-//! restart, a nats-server restart (single: stop + start on the same store; the
-//! cluster: one member, the meta leader), and a fourth node joining. A network
-//! cut of one node is not injected: a SIGSTOP already cuts the node off from
-//! NATS for longer than its lease, which is what a partition does to it.
+//! Faults, one at a time: kill -9 of a node (then a restart under the same
+//! name), SIGSTOP of a node for longer than the lease TTL (a zombie) then
+//! SIGCONT, two network cuts of a running node (its link to NATS goes through a
+//! [`NetCut`] proxy: once blackholed then healed on the same connections, once
+//! blackholed then reset and refused, then restored), SIGTERM of a node
+//! (graceful handoff) then a restart, a nats-server restart (single: stop +
+//! start on the same store; the cluster: one member, the meta leader), and a
+//! fourth node joining. During each cut the test checks that the cut node's
+//! leases all move to other nodes, and after it that the node rejoins.
+//!
+//! After every fault a probe hits every shard until each answers from the
+//! fleet (the checker measures each fault's recovery from those calls); the
+//! rest of a 3 s gap follows before the next fault.
 //!
 //! `ANKUSA_SOAK_SECS=<n>` repeats the fault cycle until n seconds have passed.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use ankusa_actors::{Charge, Claim, HitOutcome, HitRequest, SettleRequest, Settlement};
+use ankusa_bus::kv::FleetKv;
 use ankusa_bus::{shard_of, Edge, EdgeConfig, FleetConfig, FleetStore, NatsOptions, Store};
 use ankusa_tests::checker::{check_with_stalls, CheckerConfig, Report};
 use ankusa_tests::history::{CallResult, FaultKind, History};
 use ankusa_tests::requests::{bytes, hooks};
-use ankusa_tests::{wait_until, NatsCluster, NatsServer, NodeProcess, NodeSpec};
+use ankusa_tests::{
+    wait_until, NatsCluster, NatsServer, NetCut, NetCutStats, NodeProcess, NodeSpec, ServerConfig,
+};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -54,6 +64,11 @@ const RECOVERY_BOUND: Duration = Duration::from_secs(10);
 const GAP: Duration = Duration::from_secs(3);
 /// Upper bound on the calls one client makes, whatever the clock says.
 const MAX_ITERATIONS: u64 = 100_000;
+/// The node whose link to NATS runs through the [`NetCut`] proxy.
+const CUT_NODE: &str = "node-c";
+/// How long a network cut lasts: three lease TTLs, so the node's leases lapse
+/// and the rest of the fleet has time to take its shards over while it is cut.
+const CUT: Duration = Duration::from_millis(3 * LEASE_TTL_MS);
 
 /// The NATS side of a run.
 enum Nats {
@@ -94,17 +109,33 @@ struct Fleet {
     nats: Nats,
     replicas: usize,
     nodes: Vec<NodeProcess>,
+    /// Between [`CUT_NODE`] and the nats-server(s).
+    cut: NetCut,
+    /// The test's own view of the leases (opened once the nodes made the buckets).
+    kv: Option<FleetKv>,
 }
 
 impl Fleet {
     fn spec(&self, id: &str) -> NodeSpec {
+        let servers = if id == CUT_NODE {
+            self.cut.urls()
+        } else {
+            self.nats.urls()
+        };
         NodeSpec {
             lease_ttl_ms: LEASE_TTL_MS,
             lease_renew_ms: LEASE_RENEW_MS,
             lease_margin_ms: LEASE_MARGIN_MS,
             kv_replicas: self.replicas,
             shards: SHARDS,
-            ..NodeSpec::fleet(id, self.nats.urls())
+            ..NodeSpec::fleet(id, servers)
+        }
+    }
+
+    async fn lease_holders(&self) -> Result<HashMap<u32, String>, String> {
+        match &self.kv {
+            Some(kv) => lease_holders(kv).await,
+            None => Err("the test's lease view is not open".into()),
         }
     }
 
@@ -132,7 +163,22 @@ impl Fleet {
     }
 }
 
+/// Who holds each shard's lease now, by the KV (empty if it cannot be read).
+async fn lease_holders(kv: &FleetKv) -> Result<HashMap<u32, String>, String> {
+    match tokio::time::timeout(Duration::from_secs(2), kv.lease_holders()).await {
+        Ok(Ok(holders)) => Ok(holders),
+        Ok(Err(err)) => Err(err.to_string()),
+        Err(_) => Err("listing the leases took over 2 s".into()),
+    }
+}
+
+/// How many shards' leases `node` holds.
+fn leases_of(holders: &HashMap<u32, String>, node: &str) -> usize {
+    holders.values().filter(|n| n.as_str() == node).count()
+}
+
 /// One of the edge clients.
+#[derive(Clone)]
 enum Client {
     Fleet(FleetStore),
     Edge(Arc<Edge<FleetStore>>),
@@ -267,37 +313,262 @@ fn probe_tenants() -> Vec<String> {
         .collect()
 }
 
-/// After the last fault: hits every shard until each answers from the fleet,
-/// recording the calls (the checker measures recovery from them).
-async fn probe_every_shard(store: FleetStore, history: Arc<History>) {
-    let client = Client::Fleet(store);
+/// Hits every shard (concurrently, a round every 50 ms) until each has
+/// answered from the fleet or `within` has passed, recording the calls (the
+/// checker measures recovery and takeover from them). `tag` keeps the claims
+/// of one probe apart from another's.
+async fn probe_every_shard(client: Client, history: Arc<History>, tag: String, within: Duration) {
     let tenants = probe_tenants();
-    let deadline = history.now() + (RECOVERY_BOUND + Duration::from_secs(5)).as_micros() as u64;
+    let deadline = history.now() + within.as_micros() as u64;
     let mut pending: Vec<usize> = (0..tenants.len()).collect();
     let mut round = 0u32;
     while !pending.is_empty() && history.now() < deadline && round < 1_000 {
         round += 1;
-        let mut still = Vec::new();
-        for i in pending {
+        let calls = pending.iter().map(|&i| {
             let tenant = &tenants[i];
             let req = HitRequest {
                 charges: charges(tenant),
                 claim: Some(claim(
                     tenant,
-                    &format!("probe-{round}"),
-                    &format!("probe-{i}-{round}"),
+                    &format!("{tag}-{round}"),
+                    &format!("{tag}-{i}-{round}"),
                     "probe",
                 )),
             };
-            let result = client.hit(&history, "probe", req).await;
-            if result.answered().is_none() {
-                still.push(i);
-            }
-        }
-        pending = still;
+            let (client, history) = (&client, &history);
+            async move { (i, client.hit(history, "probe", req).await) }
+        });
+        pending = futures::future::join_all(calls)
+            .await
+            .into_iter()
+            .filter(|(_, result)| result.answered().is_none())
+            .map(|(i, _)| i)
+            .collect();
         if !pending.is_empty() {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+}
+
+/// After a fault's repair: probes every shard until each answers from the
+/// fleet, then waits out the rest of the gap before the next fault.
+async fn recover(history: &Arc<History>, probe: &Client, tag: String) {
+    let began = tokio::time::Instant::now();
+    probe_every_shard(
+        probe.clone(),
+        history.clone(),
+        tag,
+        RECOVERY_BOUND + Duration::from_secs(5),
+    )
+    .await;
+    tokio::time::sleep(GAP.saturating_sub(began.elapsed())).await;
+}
+
+/// What one network cut showed, besides what the checker sees in the history.
+#[derive(Debug)]
+struct CutSeen {
+    kind: FaultKind,
+    /// Shards the node held when the cut began.
+    held_before: usize,
+    /// After the cut began: when the node reported itself disconnected from
+    /// NATS (only a reset link tells it), and when no lease was the node's any
+    /// more and every shard had one.
+    disconnected_after: Option<Duration>,
+    leases_moved_after: Option<Duration>,
+    /// After the link was restored: when the node held a lease again and was
+    /// ready (serving every shard it is meant to).
+    rejoined_after: Option<Duration>,
+    /// Leases the node counted as lost, and requests it dropped because its
+    /// lease window was closed, from before the cut to its rejoining.
+    leases_lost: f64,
+    dropped_by_lease: f64,
+    proxy: NetCutStats,
+    /// When the node did not rejoin: what it said about itself then.
+    diagnosis: Option<Diagnosis>,
+    /// When the link was restored (the fault's end).
+    restored_at: tokio::time::Instant,
+}
+
+/// What a node says about itself (readiness, lease gauges, the proxy's link,
+/// its log's tail), for a failure message.
+async fn diagnose(fleet: &mut Fleet, id: &str) -> String {
+    let (stats, link) = (fleet.cut.stats(), fleet.cut.link());
+    let node = fleet.node(id);
+    let ready = node.http("/readyz").await;
+    let mut gauges = Vec::new();
+    for name in [
+        "ankusa_shards_owned",
+        "ankusa_shards_target",
+        "ankusa_nats_connected",
+        LEASES_LOST,
+        "ankusa_lease_renew_failures_total",
+    ] {
+        gauges.push((name, node.metric(name).await));
+    }
+    format!(
+        "{id}'s /readyz: {ready:?}; {gauges:?}; proxy {stats:?} (link {link:?}); log tail:\n{}",
+        node.log_tail(60)
+    )
+}
+
+/// A node's diagnosis, kept out of `Debug` output (it carries a log tail).
+struct Diagnosis(String);
+
+impl std::fmt::Debug for Diagnosis {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<diagnosis>")
+    }
+}
+
+/// A counter of a node, 0 when not exported yet (counters appear on first use).
+async fn counter(node: &NodeProcess, name: &str) -> f64 {
+    node.metric(name).await.unwrap_or(0.0)
+}
+
+const LEASES_LOST: &str = "ankusa_leases_lost_total";
+const DROPPED_BY_LEASE: &str = "ankusa_requests_dropped_total{why=\"lease\"}";
+
+/// Cuts [`CUT_NODE`] off from NATS for [`CUT`] (as `kind` says), while a probe
+/// checks from a lease TTL into the cut that every shard is answered by the
+/// rest of the fleet; restores the link, then probes every shard (recovery)
+/// while waiting for the node to rejoin.
+async fn net_cut(
+    fleet: &mut Fleet,
+    history: &Arc<History>,
+    probe: &Client,
+    kind: FaultKind,
+    tag: String,
+) -> CutSeen {
+    // The cut must take shards away from the node, or it tests nothing.
+    let mut held_before = 0;
+    let mut seen = Err("not read yet".to_string());
+    let deadline = tokio::time::Instant::now() + RECOVERY_BOUND;
+    while held_before == 0 && tokio::time::Instant::now() < deadline {
+        seen = fleet.lease_holders().await;
+        held_before = seen.as_ref().map_or(0, |h| leases_of(h, CUT_NODE));
+        if held_before == 0 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    if held_before == 0 {
+        panic!(
+            "{CUT_NODE} held no lease before the cut (for {RECOVERY_BOUND:?}); a node that holds none yet reports ready has stopped renewing and heartbeating (docs/fault-tolerance.md, \"Observed\"); the test's lease view: {seen:?}; {}",
+            diagnose(fleet, CUT_NODE).await
+        );
+    }
+    let lost_before = counter(fleet.node(CUT_NODE), LEASES_LOST).await;
+    let dropped_before = counter(fleet.node(CUT_NODE), DROPPED_BY_LEASE).await;
+
+    let f = history.fault_start(kind, CUT_NODE);
+    let began = tokio::time::Instant::now();
+    fleet.cut.blackhole();
+    let kv = fleet.kv.clone().expect("the test's lease view is open");
+    let moving = tokio::spawn(async move {
+        while began.elapsed() + Duration::from_millis(100) < CUT {
+            let holders = lease_holders(&kv).await.unwrap_or_default();
+            if holders.len() == SHARDS as usize && leases_of(&holders, CUT_NODE) == 0 {
+                return Some(began.elapsed());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        None
+    });
+    tokio::time::sleep(Duration::from_millis(LEASE_TTL_MS)).await;
+    let taking_over = tokio::spawn(probe_every_shard(
+        probe.clone(),
+        history.clone(),
+        tag.clone(),
+        CUT.saturating_sub(began.elapsed() + Duration::from_millis(100)),
+    ));
+    let mut disconnected_after = None;
+    if kind == FaultKind::NetCut {
+        tokio::time::sleep_until(began + CUT / 2).await;
+        fleet
+            .cut
+            .refuse()
+            .await
+            .expect("the proxy resets and refuses");
+        let node = fleet.node(CUT_NODE);
+        if wait_until(Duration::from_secs(2), || async {
+            node.metric("ankusa_nats_connected").await == Some(0.0)
+        })
+        .await
+        .is_ok()
+        {
+            disconnected_after = Some(began.elapsed());
+        }
+    }
+    let leases_moved_after = moving.await.expect("lease watch");
+    taking_over.await.expect("takeover probe");
+    tokio::time::sleep_until(began + CUT).await;
+    fleet.cut.restore().await.expect("the proxy forwards again");
+    history.fault_end(f);
+
+    // The recovery probe runs while the node rejoins, so the checker measures
+    // from the repair, not from when the test stopped waiting for the node.
+    let recovering = tokio::spawn(probe_every_shard(
+        probe.clone(),
+        history.clone(),
+        format!("{tag}-after"),
+        RECOVERY_BOUND + Duration::from_secs(5),
+    ));
+    let restored = tokio::time::Instant::now();
+    let mut rejoined_after = None;
+    while rejoined_after.is_none() && restored.elapsed() < RECOVERY_BOUND {
+        if leases_of(&fleet.lease_holders().await.unwrap_or_default(), CUT_NODE) > 0
+            && fleet.node(CUT_NODE).is_ready().await
+        {
+            rejoined_after = Some(restored.elapsed());
+        } else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    recovering.await.expect("recovery probe");
+    let diagnosis = match rejoined_after {
+        None => Some(Diagnosis(diagnose(fleet, CUT_NODE).await)),
+        Some(_) => None,
+    };
+    let node = fleet.node(CUT_NODE);
+    CutSeen {
+        kind,
+        held_before,
+        disconnected_after,
+        leases_moved_after,
+        rejoined_after,
+        leases_lost: counter(node, LEASES_LOST).await - lost_before,
+        dropped_by_lease: counter(node, DROPPED_BY_LEASE).await - dropped_before,
+        proxy: fleet.cut.stats(),
+        diagnosis,
+        restored_at: restored,
+    }
+}
+
+/// The cut node went dark for its shards and came back: it lost its leases,
+/// every one of them moved to another node while it was cut, a reset link
+/// disconnected it (the proxy cannot be bypassed), and it rejoined within the
+/// recovery bound.
+fn assert_cut_expectations(seen: &CutSeen) {
+    assert!(
+        seen.rejoined_after.is_some(),
+        "{:?}: {CUT_NODE} did not hold a lease and report ready within {RECOVERY_BOUND:?} of the link's restoration: {seen:?}\n{}",
+        seen.kind,
+        seen.diagnosis.as_ref().map_or("", |d| d.0.as_str())
+    );
+    assert!(
+        seen.leases_moved_after.is_some(),
+        "{:?}: {CUT_NODE}'s leases did not all move to other nodes within the cut: {seen:?}",
+        seen.kind
+    );
+    assert!(
+        seen.leases_lost >= 1.0,
+        "{:?}: {CUT_NODE} never counted a lease as lost: {seen:?}",
+        seen.kind
+    );
+    if seen.kind == FaultKind::NetCut {
+        assert!(
+            seen.disconnected_after.is_some(),
+            "{CUT_NODE} still reported a NATS connection while its link was refused: {seen:?}"
+        );
     }
 }
 
@@ -308,16 +579,22 @@ fn soak() -> Option<Duration> {
         .map(Duration::from_secs)
 }
 
-/// One cycle of faults, one at a time, each followed by a recovery gap.
-async fn fault_cycle(fleet: &mut Fleet, history: &History, cycle: u32) {
-    let gap = || tokio::time::sleep(GAP);
+/// One cycle of faults, one at a time, each followed by a recovery probe and
+/// gap. Returns what the network cuts showed.
+async fn fault_cycle(
+    fleet: &mut Fleet,
+    history: &Arc<History>,
+    probe: &Client,
+    cycle: u32,
+) -> Vec<CutSeen> {
+    let tag = |what: &str| format!("c{cycle}-{what}");
 
     let f = history.fault_start(FaultKind::KillNode, "node-a");
     fleet.node("node-a").kill().await.expect("kill -9");
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     fleet.start_node("node-a");
     history.fault_end(f);
-    gap().await;
+    recover(history, probe, tag("kill")).await;
 
     let f = history.fault_start(FaultKind::PauseNode, "node-b");
     fleet.node("node-b").pause().expect("SIGSTOP");
@@ -325,20 +602,28 @@ async fn fault_cycle(fleet: &mut Fleet, history: &History, cycle: u32) {
     tokio::time::sleep(Duration::from_millis(LEASE_TTL_MS + 1_000)).await;
     fleet.node("node-b").resume().expect("SIGCONT");
     history.fault_end(f);
-    gap().await;
+    recover(history, probe, tag("pause")).await;
+
+    let mut cuts = Vec::new();
+    for kind in [FaultKind::NetBlackhole, FaultKind::NetCut] {
+        let seen = net_cut(fleet, history, probe, kind, tag(&format!("{kind:?}"))).await;
+        eprintln!("{seen:?}");
+        tokio::time::sleep_until(seen.restored_at + GAP).await;
+        cuts.push(seen);
+    }
 
     let f = history.fault_start(FaultKind::StopNode, "node-c");
     fleet.node("node-c").stop().await.expect("SIGTERM");
     tokio::time::sleep(Duration::from_millis(1_000)).await;
     fleet.start_node("node-c");
     history.fault_end(f);
-    gap().await;
+    recover(history, probe, tag("stop")).await;
 
     let f = history.fault_start(FaultKind::RestartNats, "nats");
     let name = fleet.nats.restart_one().await;
     history.fault_end(f);
     eprintln!("restarted nats server {name}");
-    gap().await;
+    recover(history, probe, tag("nats")).await;
 
     // The fourth node joins on the first cycle; later cycles have it leave
     // (SIGTERM) and join again.
@@ -349,21 +634,37 @@ async fn fault_cycle(fleet: &mut Fleet, history: &History, cycle: u32) {
     let f = history.fault_start(FaultKind::AddNode, "node-d");
     fleet.start_node("node-d");
     history.fault_end(f);
+    recover(history, probe, tag("join")).await;
+    cuts
 }
 
 /// Starts the fleet, runs the workload and the faults, checks the history.
-async fn run(nats: Nats, replicas: usize) -> Report {
+async fn run(nats: Nats, replicas: usize) -> (Report, Vec<CutSeen>) {
     let setup = std::time::Instant::now();
+    let cut = NetCut::start(&nats.urls())
+        .await
+        .expect("net-cut proxy starts");
     let mut fleet = Fleet {
         nats,
         replicas,
         nodes: Vec::new(),
+        cut,
+        kv: None,
     };
     for id in ["node-a", "node-b", "node-c"] {
         fleet.start_node(id);
     }
     fleet.wait_all_ready(Duration::from_secs(30)).await;
     let urls = fleet.nats.urls();
+    let kv_client = NatsOptions::with_servers(urls.iter().cloned())
+        .connect()
+        .await
+        .expect("valid NATS options");
+    fleet.kv = Some(
+        FleetKv::open(kv_client, "test", replicas)
+            .await
+            .expect("the nodes' KV buckets open"),
+    );
 
     let history = Arc::new(History::new());
     let stop = Arc::new(AtomicBool::new(false));
@@ -394,26 +695,23 @@ async fn run(nats: Nats, replicas: usize) -> Report {
             stop.clone(),
         )));
     }
-    let probe_store = fleet_store(&urls).await;
+    let probe = Client::Fleet(fleet_store(&urls).await);
 
-    // Warm up, then the faults.
+    // Warm up, then the faults; each cycle ends with the recovery after its
+    // last fault measured, while the workload goes on.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let soak = soak();
     let began = std::time::Instant::now();
     let mut cycle = 0;
+    let mut cuts = Vec::new();
     loop {
-        fault_cycle(&mut fleet, &history, cycle).await;
+        cuts.extend(fault_cycle(&mut fleet, &history, &probe, cycle).await);
         cycle += 1;
         let more = soak.is_some_and(|s| began.elapsed() < s) && cycle < 1_000;
         if !more {
             break;
         }
-        tokio::time::sleep(GAP).await;
     }
-    // The last fault has ended: measure recovery while the workload goes on.
-    let probe = tokio::spawn(probe_every_shard(probe_store, history.clone()));
-    tokio::time::sleep(GAP).await;
-    probe.await.expect("probe task");
     stop.store(true, Ordering::Relaxed);
     for c in clients {
         c.await.expect("client task");
@@ -443,10 +741,26 @@ async fn run(nats: Nats, replicas: usize) -> Report {
         &config,
     );
     println!("{}", report.render());
-    report
+    println!("network cuts of {CUT_NODE} ({CUT:?} each):");
+    for c in &cuts {
+        let ms =
+            |d: Option<Duration>| d.map_or("never".into(), |d| format!("{} ms", d.as_millis()));
+        println!(
+            "  {:?}: held {} shards; disconnected {}, every lease moved {} after it began; rejoined {} after it ended; {} leases counted lost, {} requests dropped by lease; proxy {:?}",
+            c.kind,
+            c.held_before,
+            ms(c.disconnected_after),
+            ms(c.leases_moved_after),
+            ms(c.rejoined_after),
+            c.leases_lost,
+            c.dropped_by_lease,
+            c.proxy
+        );
+    }
+    (report, cuts)
 }
 
-fn assert_sound(report: &Report) {
+fn assert_sound((report, cuts): &(Report, Vec<CutSeen>)) {
     assert!(
         report.is_clean(),
         "{} violations:\n{}",
@@ -463,8 +777,17 @@ fn assert_sound(report: &Report) {
         report.ops_by_result.contains_key("hit:rate_limited"),
         "the tight tenant was never limited"
     );
-    assert!(report.faults.len() >= 5, "faults: {:?}", report.faults);
+    assert!(report.faults.len() >= 7, "faults: {:?}", report.faults);
     assert!(report.recovery_max.is_some());
+    for kind in [FaultKind::NetBlackhole, FaultKind::NetCut] {
+        assert!(
+            report.faults.iter().any(|f| f.kind == kind),
+            "no {kind:?} was injected"
+        );
+    }
+    for seen in cuts {
+        assert_cut_expectations(seen);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -476,7 +799,11 @@ async fn no_lost_webhook_under_faults_single_server() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_lost_webhook_under_faults_three_server_cluster() {
-    let cluster = NatsCluster::start(3).await.expect("nats cluster starts");
+    // A member must not advertise the others' client URLs, or the cut node's
+    // client would learn them and reconnect around its proxy.
+    let cluster = NatsCluster::start_with(3, ServerConfig::new().no_advertise(true))
+        .await
+        .expect("nats cluster starts");
     let report = run(Nats::Cluster(cluster), 3).await;
     assert_sound(&report);
 }
