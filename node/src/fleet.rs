@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ankusa_actors::actor::{ShardConfig, TenantFailure};
-use ankusa_bus::kv::{FleetKv, Heartbeat, KvWriter, LeaseError};
+use ankusa_bus::kv::{FleetKv, Heartbeat, KvError, KvWriter, LeaseError};
 use ankusa_bus::persist::Persistence;
 use ankusa_bus::responder::ServeWindow;
 use async_nats::jetstream::kv::Operation;
@@ -69,6 +69,24 @@ fn lease_valid_until(config: &NodeConfig, sent: Instant) -> std::time::Instant {
     (sent + keep).into_std()
 }
 
+/// The longest a shard's load from KV may take before the lease is given back
+/// and the load tried again.
+const LOAD_BOUND: Duration = Duration::from_secs(30);
+
+/// Runs one KV call of the ownership loop within `bound`. A call on a
+/// connection that dropped midway (a key listing, an ordered consumer) may
+/// never finish; it must fail its round, which the next round retries, rather
+/// than stop the loop for good.
+async fn within<T, E: From<KvError>>(
+    bound: Duration,
+    call: impl Future<Output = Result<T, E>>,
+) -> Result<T, E> {
+    tokio::time::timeout(bound, call).await.unwrap_or_else(|_| {
+        metrics::counter!("ankusa_kv_call_timeouts_total").increment(1);
+        Err(KvError::Request(format!("no answer within {bound:?}")).into())
+    })
+}
+
 /// A lease this node holds.
 struct Held {
     revision: u64,
@@ -108,10 +126,11 @@ impl Fleet {
             started_ms: self.started_ms,
             http: self.config.http_addr.map(|a| a.to_string()),
         };
-        if let Err(err) = self.kv.heartbeat(&beat, self.config.lease_ttl()).await {
+        let bound = self.config.lease_ttl();
+        if let Err(err) = within(bound, self.kv.heartbeat(&beat, self.config.lease_ttl())).await {
             tracing::warn!(error = %err, "heartbeat failed");
         }
-        match self.kv.live_nodes().await {
+        match within(bound, self.kv.live_nodes()).await {
             Ok(nodes) => {
                 let mut live: BTreeSet<String> = nodes.into_iter().map(|b| b.node).collect();
                 live.insert(self.config.node_id.clone());
@@ -132,11 +151,10 @@ impl Fleet {
         let mut lost = Vec::new();
         for (&shard, held) in self.held.iter_mut() {
             let sent = Instant::now();
-            match self
+            let renewal = self
                 .kv
-                .renew_lease(shard, &self.config.node_id, held.revision, ttl)
-                .await
-            {
+                .renew_lease(shard, &self.config.node_id, held.revision, ttl);
+            match within(ttl, renewal).await {
                 Ok(revision) => {
                     held.revision = revision;
                     held.window.extend_to(lease_valid_until(&self.config, sent));
@@ -172,7 +190,8 @@ impl Fleet {
         let _ = self.host.release(shard).await;
         self.writer.flush_buckets(Some(shard)).await;
         held.window.close();
-        if let Err(err) = self.kv.release_lease(shard, held.revision).await {
+        let release = self.kv.release_lease(shard, held.revision);
+        if let Err(err) = within(self.config.lease_ttl(), release).await {
             tracing::warn!(shard, error = %err, "lease release failed; it will lapse by TTL");
         }
         tracing::info!(
@@ -196,28 +215,26 @@ impl Fleet {
                 self.renew().await;
             }
             let sent = Instant::now();
-            let revision = match self
-                .kv
-                .acquire_lease(shard, &self.config.node_id, self.config.lease_ttl())
-                .await
-            {
-                Ok(revision) => revision,
-                Err(LeaseError::Taken { .. }) => {
-                    waiting = true;
-                    continue;
-                }
-                Err(err) => {
-                    tracing::warn!(shard, error = %err, "cannot take lease");
-                    waiting = true;
-                    continue;
-                }
-            };
+            let ttl = self.config.lease_ttl();
+            let revision =
+                match within(ttl, self.kv.acquire_lease(shard, &self.config.node_id, ttl)).await {
+                    Ok(revision) => revision,
+                    Err(LeaseError::Taken { .. }) => {
+                        waiting = true;
+                        continue;
+                    }
+                    Err(err) => {
+                        tracing::warn!(shard, error = %err, "cannot take lease");
+                        waiting = true;
+                        continue;
+                    }
+                };
             let loaded_at = Instant::now();
-            let state = match self.kv.load_shard(shard).await {
+            let state = match within(LOAD_BOUND, self.kv.load_shard(shard)).await {
                 Ok(state) => state,
                 Err(err) => {
                     tracing::error!(shard, error = %err, "cannot load shard; giving the lease back");
-                    let _ = self.kv.release_lease(shard, revision).await;
+                    let _ = within(ttl, self.kv.release_lease(shard, revision)).await;
                     waiting = true;
                     continue;
                 }
@@ -228,7 +245,7 @@ impl Fleet {
             window.extend_to(lease_valid_until(&self.config, sent));
             if let Err(err) = self.host.serve(shard, state, Some(window.clone())).await {
                 tracing::error!(shard, error = %err, "cannot serve shard; giving the lease back");
-                let _ = self.kv.release_lease(shard, revision).await;
+                let _ = within(ttl, self.kv.release_lease(shard, revision)).await;
                 waiting = true;
                 continue;
             }
@@ -262,6 +279,10 @@ impl Fleet {
         }
         let waiting = self.acquire().await;
         self.health.set_shards(self.held.len(), targets.len());
+        // A round is bounded (every KV call in it is); several missed in a row
+        // mean the loop is stuck.
+        self.health
+            .round_done(3 * self.config.lease_ttl() + 2 * LOAD_BOUND);
         waiting
     }
 
@@ -276,7 +297,7 @@ impl Fleet {
             metrics::counter!("ankusa_shard_restarts_total").increment(1);
             let _ = self.host.release(shard).await;
             self.writer.flush_buckets(Some(shard)).await;
-            let restarted = match self.kv.load_shard(shard).await {
+            let restarted = match within(LOAD_BOUND, self.kv.load_shard(shard)).await {
                 Ok(state) => self
                     .host
                     .serve(shard, state, Some(window))
@@ -288,7 +309,11 @@ impl Fleet {
                 tracing::error!(shard, error = %err, "cannot restart shard; handing it back");
                 if let Some(held) = self.held.remove(&shard) {
                     held.window.close();
-                    let _ = self.kv.release_lease(shard, held.revision).await;
+                    let _ = within(
+                        self.config.lease_ttl(),
+                        self.kv.release_lease(shard, held.revision),
+                    )
+                    .await;
                 }
             }
         }
@@ -296,7 +321,8 @@ impl Fleet {
 
     async fn leave(&mut self) {
         self.health.set_shutting_down();
-        if let Err(err) = self.kv.leave(&self.config.node_id).await {
+        if let Err(err) = within(self.config.lease_ttl(), self.kv.leave(&self.config.node_id)).await
+        {
             tracing::warn!(error = %err, "could not withdraw heartbeat");
         }
         let shards: Vec<u32> = self.held.keys().copied().collect();

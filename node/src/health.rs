@@ -3,6 +3,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 /// Readiness facts, updated by the runtime.
 #[derive(Debug, Default)]
@@ -13,6 +14,9 @@ pub struct Health {
     shards_served: AtomicU64,
     shards_target: AtomicU64,
     shutting_down: AtomicBool,
+    /// Fleet mode: when the ownership loop last finished a round, and how long
+    /// it may go without one before the node stops calling itself ready.
+    last_round: Mutex<Option<(Instant, Duration)>>,
 }
 
 impl Health {
@@ -24,6 +28,18 @@ impl Health {
         self.shards_served.store(served as u64, Ordering::Relaxed);
         self.shards_target.store(target as u64, Ordering::Relaxed);
         self.settled.store(served >= target, Ordering::Relaxed);
+    }
+
+    /// The ownership loop finished a round; it must finish another within `stall_after`.
+    pub fn round_done(&self, stall_after: Duration) {
+        *self.last_round.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some((Instant::now(), stall_after));
+    }
+
+    fn stalled_for(&self) -> Option<Duration> {
+        let (at, bound) = (*self.last_round.lock().unwrap_or_else(|p| p.into_inner()))?;
+        let since = at.elapsed();
+        (since > bound).then_some(since)
     }
 
     pub fn set_shutting_down(&self) {
@@ -47,6 +63,12 @@ impl Health {
         }
         if !self.connected() {
             return Err("not connected to NATS\n".into());
+        }
+        if let Some(since) = self.stalled_for() {
+            return Err(format!(
+                "the ownership loop has not finished a round for {} ms (leases are not being renewed)\n",
+                since.as_millis()
+            ));
         }
         if !self.settled.load(Ordering::Relaxed) {
             return Err(format!("serving {served} of {target} target shards\n"));

@@ -6,6 +6,12 @@ use std::process::ExitCode;
 use ankusa_node::config::{LogFormat, NodeConfig, Overrides};
 use clap::Parser;
 
+// A request allocates a few dozen small, short-lived objects across threads;
+// glibc malloc spent a fifth of the node's CPU on them at peak (its
+// consolidation and free-list walks: docs/benchmarks.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// A node of an ankusa-fleet instance: serves tenant rate limits (GCRA) and
 /// two-phase webhook dedupe claims to edges over NATS request-reply, sharing the
 /// instance's shards with its other nodes through JetStream KV leases.

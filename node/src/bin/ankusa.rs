@@ -5,6 +5,11 @@ use std::process::ExitCode;
 use ankusa_node::cli::{run, Cli};
 use clap::Parser;
 
+// The node's allocator (see ankusa-node.rs), also for the load generator of
+// `ankusa bench`, which drives every store it compares from this one process.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // Logs only when asked for (RUST_LOG): the output is for people.
