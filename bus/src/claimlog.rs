@@ -118,10 +118,11 @@ impl Replay {
             ClaimChange::Put(record) => {
                 let claims = self.tenants.entry(tenant).or_default();
                 let slot = (record.source_id.clone(), record.key.clone());
-                let keeps_commit = claims
+                // A pending claim never replaces a live commit.
+                let holds_commit = claims
                     .get(&slot)
                     .is_some_and(|held| held.committed && held.expires_us > now_us);
-                if !(keeps_commit && !record.committed) {
+                if record.committed || !holds_commit {
                     claims.insert(slot, record);
                 }
             }
