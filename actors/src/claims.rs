@@ -87,6 +87,50 @@ pub struct ClaimRecord {
 }
 
 impl ClaimRecord {
+    pub fn new(
+        source_id: &str,
+        key: &str,
+        hook_id: &str,
+        node: Option<&str>,
+        committed: bool,
+        expires_us: u64,
+    ) -> Self {
+        Self {
+            source_id: source_id.into(),
+            key: key.into(),
+            hook_id: hook_id.into(),
+            node: node.map(Into::into),
+            committed,
+            expires_us,
+        }
+    }
+
+    pub fn source_id(&self) -> &str {
+        &self.source_id
+    }
+
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    pub fn hook_id(&self) -> &str {
+        &self.hook_id
+    }
+
+    /// The node holding a pending claim; `None` once committed.
+    pub fn node(&self) -> Option<&str> {
+        self.node.as_deref()
+    }
+
+    pub fn committed(&self) -> bool {
+        self.committed
+    }
+
+    /// Unix µs.
+    pub fn expires_us(&self) -> u64 {
+        self.expires_us
+    }
+
     pub fn from_entry(key: &ClaimKey, entry: &ClaimEntry) -> Self {
         let (source_id, key) = key.parts();
         let (node, committed) = match &entry.phase {

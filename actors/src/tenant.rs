@@ -313,7 +313,7 @@ impl TenantState {
 
     /// Adds one persisted claim; a committed claim is never replaced by a pending one.
     pub fn absorb_claim(&mut self, record: ClaimRecord, now_us: u64) {
-        if record.expires_us <= now_us {
+        if record.expires_us() <= now_us {
             return;
         }
         let (key, entry) = record.into_entry();

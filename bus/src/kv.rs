@@ -594,12 +594,12 @@ impl KvWriter {
         let write = match change {
             ClaimChange::Put(record) => Write::put(
                 bucket,
-                &claim_key(shard, tenant, &record.source_id, &record.key),
+                &claim_key(shard, tenant, record.source_id(), record.key()),
                 encode(&StoredClaim {
                     tenant: tenant.to_string(),
                     claim: record.clone(),
                 }),
-                ttl_secs_until(record.expires_us, now_unix_us()),
+                ttl_secs_until(record.expires_us(), now_unix_us()),
             ),
             ClaimChange::Delete { source_id, key, .. } => {
                 Write::purge(bucket, &claim_key(shard, tenant, source_id, key))

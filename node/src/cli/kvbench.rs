@@ -97,14 +97,14 @@ async fn delete_buckets(client: &async_nats::Client, instance: &str) {
 }
 
 fn committed(i: u64, expires_us: u64) -> ClaimRecord {
-    ClaimRecord {
-        source_id: "bench".into(),
-        key: format!("evt-{i:010}"),
-        hook_id: format!("hook-{i:010}"),
-        node: None,
-        committed: true,
+    ClaimRecord::new(
+        "bench",
+        &format!("evt-{i:010}"),
+        &format!("hook-{i:010}"),
+        None,
+        true,
         expires_us,
-    }
+    )
 }
 
 /// Writes `count` claims of `shard` through `writer`, `concurrency` at a time.
