@@ -41,7 +41,83 @@ pub enum ClaimChange {
 pub struct Changes {
     pub claim: Option<ClaimChange>,
     /// The new TAT of every bucket that moved (0 after a reset).
-    pub buckets: Vec<BucketRecord>,
+    pub buckets: Buckets,
+}
+
+/// The buckets one call moved, in the order it charged them. A tenant has one
+/// bucket per [`Kind`], so they fit inline: reporting them allocates nothing on
+/// every hit. Reads as a slice (`iter`, `len`, `is_empty`, indexing).
+#[derive(Clone, Copy)]
+pub struct Buckets {
+    len: u8,
+    items: [BucketRecord; Kind::ALL.len()],
+}
+
+impl Buckets {
+    /// Records `bucket`; a kind already here takes the new TAT, so every kind is
+    /// reported once with its last value.
+    pub fn push(&mut self, bucket: BucketRecord) {
+        let len = usize::from(self.len);
+        if let Some(same) = self.items[..len].iter_mut().find(|b| b.kind == bucket.kind) {
+            *same = bucket;
+        } else if let Some(free) = self.items.get_mut(len) {
+            *free = bucket;
+            self.len += 1;
+        }
+    }
+}
+
+impl Default for Buckets {
+    fn default() -> Self {
+        Self {
+            len: 0,
+            items: [BucketRecord {
+                kind: Kind::Hooks,
+                tat_us: 0,
+            }; Kind::ALL.len()],
+        }
+    }
+}
+
+impl std::ops::Deref for Buckets {
+    type Target = [BucketRecord];
+
+    fn deref(&self) -> &[BucketRecord] {
+        &self.items[..usize::from(self.len)]
+    }
+}
+
+impl<'a> IntoIterator for &'a Buckets {
+    type Item = &'a BucketRecord;
+    type IntoIter = std::slice::Iter<'a, BucketRecord>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
+impl FromIterator<BucketRecord> for Buckets {
+    fn from_iter<I: IntoIterator<Item = BucketRecord>>(iter: I) -> Self {
+        let mut buckets = Self::default();
+        for bucket in iter {
+            buckets.push(bucket);
+        }
+        buckets
+    }
+}
+
+impl PartialEq for Buckets {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl Eq for Buckets {}
+
+impl std::fmt::Debug for Buckets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
 }
 
 impl Changes {
@@ -114,7 +190,7 @@ impl TenantState {
                             occupied.key(),
                             entry,
                         ))),
-                        buckets: Vec::new(),
+                        buckets: Buckets::default(),
                     },
                 };
             }
@@ -135,10 +211,7 @@ impl TenantState {
             });
         }
 
-        let mut changes = Changes {
-            claim: None,
-            buckets: Vec::with_capacity(req.charges.len()),
-        };
+        let mut changes = Changes::default();
         if let Some((claim, slot)) = slot {
             if let Entry::Occupied(occupied) = &slot {
                 let entry = occupied.get();
@@ -240,7 +313,7 @@ impl TenantState {
             outcome: SettleOutcome::Ok,
             changes: Changes {
                 claim: Some(change),
-                buckets: Vec::new(),
+                buckets: Buckets::default(),
             },
         }
     }
@@ -329,5 +402,37 @@ impl TenantState {
         let mut state = Self::default();
         state.absorb(snapshot, now_us);
         state
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bucket(kind: Kind, tat_us: u64) -> BucketRecord {
+        BucketRecord { kind, tat_us }
+    }
+
+    #[test]
+    fn buckets_keep_charge_order_and_one_record_per_kind() {
+        let mut buckets = Buckets::default();
+        assert!(buckets.is_empty());
+        buckets.push(bucket(Kind::Bytes, 1));
+        buckets.push(bucket(Kind::Hooks, 2));
+        assert_eq!(&*buckets, &[bucket(Kind::Bytes, 1), bucket(Kind::Hooks, 2)]);
+        // Never more than one per kind, and never past the inline capacity.
+        buckets.push(bucket(Kind::Bytes, 3));
+        let seen: Vec<_> = (&buckets).into_iter().copied().collect();
+        assert_eq!(seen, [bucket(Kind::Bytes, 3), bucket(Kind::Hooks, 2)]);
+        assert_eq!(format!("{buckets:?}"), format!("{seen:?}"));
+    }
+
+    #[test]
+    fn buckets_compare_by_what_they_hold() {
+        let mut a = Buckets::default();
+        a.push(bucket(Kind::Hooks, 5));
+        let b: Buckets = [bucket(Kind::Hooks, 5)].into_iter().collect();
+        assert_eq!(a, b);
+        assert_ne!(a, Buckets::default());
     }
 }

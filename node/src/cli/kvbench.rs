@@ -125,7 +125,7 @@ async fn write_claims(
                 let tenant = format!("t{}", i % tenants.max(1));
                 let changes = Changes {
                     claim: Some(ClaimChange::Put(committed(i, expires_us))),
-                    buckets: Vec::new(),
+                    buckets: Default::default(),
                 };
                 writer.record(shard, &tenant, &changes).await.is_ok()
             }
