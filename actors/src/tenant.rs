@@ -5,11 +5,9 @@
 //! layer above can persist exactly what moved (claims before answering, bucket
 //! TATs written behind) without diffing state.
 
-use std::collections::hash_map::Entry;
-
 use serde::{Deserialize, Serialize};
 
-use crate::claims::{ClaimEntry, ClaimKey, ClaimRecord, ClaimTable, Phase};
+use crate::claims::{ClaimRecord, ClaimTable, Phase};
 use crate::gcra;
 use crate::types::{HitOutcome, HitRequest, Kind, SettleOutcome, SettleRequest, Settlement};
 
@@ -176,20 +174,16 @@ impl TenantState {
         let slot = req
             .claim
             .as_ref()
-            .map(|c| (c, claims.entry(ClaimKey::new(&c.source_id, &c.key))));
-        if let Some((claim, Entry::Occupied(occupied))) = &slot {
-            let entry = occupied.get();
+            .map(|c| (c, claims.slot(&c.source_id, &c.key)));
+        if let Some((claim, Some(entry))) = slot.as_ref().map(|(c, s)| (c, s.get())) {
             if entry.is_live(now_us)
                 && matches!(entry.phase, Phase::Pending { .. })
-                && *entry.hook_id == *claim.hook_id
+                && entry.hook_id() == claim.hook_id
             {
                 return Applied {
                     outcome: HitOutcome::Ok,
                     changes: Changes {
-                        claim: Some(ClaimChange::Put(ClaimRecord::from_entry(
-                            occupied.key(),
-                            entry,
-                        ))),
+                        claim: Some(ClaimChange::Put(ClaimRecord::from_entry(entry))),
                         buckets: Buckets::default(),
                     },
                 };
@@ -213,47 +207,34 @@ impl TenantState {
 
         let mut changes = Changes::default();
         if let Some((claim, slot)) = slot {
-            if let Entry::Occupied(occupied) = &slot {
-                let entry = occupied.get();
-                if entry.is_live(now_us) {
-                    let outcome = match entry.phase {
-                        Phase::Committed => HitOutcome::Duplicate {
-                            hook_id: entry.hook_id.to_string(),
-                        },
-                        Phase::Pending { .. } => HitOutcome::Pending {
-                            retry_after_ms: gcra::retry_ms(entry.expires_us - now_us),
-                        },
-                    };
-                    return Applied::unchanged(outcome);
-                }
+            if let Some(entry) = slot.get().filter(|e| e.is_live(now_us)) {
+                let outcome = match entry.phase {
+                    Phase::Committed => HitOutcome::Duplicate {
+                        hook_id: entry.hook_id().to_string(),
+                    },
+                    Phase::Pending { .. } => HitOutcome::Pending {
+                        retry_after_ms: gcra::retry_ms(entry.expires_us - now_us),
+                    },
+                };
+                return Applied::unchanged(outcome);
             }
             let expires_us = until_ms(now_us, claim.pending_ttl_ms);
-            let entry = ClaimEntry {
-                hook_id: claim.hook_id.as_str().into(),
-                phase: Phase::Pending {
-                    node: claim.node.as_str().into(),
-                },
+            slot.claim(
+                &claim.source_id,
+                &claim.key,
+                &claim.hook_id,
+                &claim.node,
                 expires_us,
-            };
-            // The record straight from the request: the same fields the entry holds,
-            // without unpacking the key again.
-            changes.claim = Some(ClaimChange::Put(ClaimRecord {
-                source_id: claim.source_id.clone(),
-                key: claim.key.clone(),
-                hook_id: claim.hook_id.clone(),
-                node: Some(claim.node.clone()),
-                committed: false,
+            );
+            // The record straight from the request: the same fields the entry holds.
+            changes.claim = Some(ClaimChange::Put(ClaimRecord::new(
+                &claim.source_id,
+                &claim.key,
+                &claim.hook_id,
+                Some(&claim.node),
+                false,
                 expires_us,
-            }));
-            match slot {
-                // An expired claim is replaced where it lies.
-                Entry::Occupied(mut expired) => {
-                    expired.insert(entry);
-                }
-                Entry::Vacant(vacant) => {
-                    vacant.insert(entry);
-                }
-            }
+            )));
         }
 
         for charge in &req.charges {
@@ -277,13 +258,12 @@ impl TenantState {
     /// the hook is already durable.
     pub fn settle(&mut self, now_us: u64, req: &SettleRequest) -> Applied<SettleOutcome> {
         let claim = &req.claim;
-        let key = ClaimKey::new(&claim.source_id, &claim.key);
-        let Some(entry) = self.claims.live_mut(&key, now_us) else {
+        let Some(entry) = self.claims.find_mut(&claim.source_id, &claim.key, now_us) else {
             return Applied::unchanged(SettleOutcome::NotFound);
         };
-        if *entry.hook_id != *claim.hook_id {
+        if entry.hook_id() != claim.hook_id {
             return Applied::unchanged(SettleOutcome::NotOwner {
-                hook_id: entry.hook_id.to_string(),
+                hook_id: entry.hook_id().to_string(),
             });
         }
         let change = match (&entry.phase, req.settlement) {
@@ -292,7 +272,7 @@ impl TenantState {
             }
             (Phase::Pending { .. }, Settlement::Release) => {
                 let expires_us = entry.expires_us;
-                self.claims.remove(&key);
+                self.claims.remove(&claim.source_id, &claim.key);
                 ClaimChange::Delete {
                     source_id: claim.source_id.clone(),
                     key: claim.key.clone(),
@@ -303,10 +283,10 @@ impl TenantState {
             (Phase::Pending { .. }, Settlement::Commit) => {
                 entry.phase = Phase::Committed;
                 entry.expires_us = until_ms(now_us, claim.ttl_ms);
-                ClaimChange::Put(ClaimRecord::from_entry(&key, entry))
+                ClaimChange::Put(ClaimRecord::from_entry(entry))
             }
             (Phase::Committed, Settlement::Commit) => {
-                ClaimChange::Put(ClaimRecord::from_entry(&key, entry))
+                ClaimChange::Put(ClaimRecord::from_entry(entry))
             }
         };
         Applied {
@@ -366,7 +346,7 @@ impl TenantState {
                 .claims
                 .iter()
                 .filter(|(_, e)| e.is_live(now_us))
-                .map(|(k, e)| ClaimRecord::from_entry(k, e))
+                .map(|(_, e)| ClaimRecord::from_entry(e))
                 .collect(),
         }
     }
@@ -389,13 +369,13 @@ impl TenantState {
         if record.expires_us() <= now_us {
             return;
         }
-        let (key, entry) = record.into_entry();
-        if let Some(existing) = self.claims.live(&key, now_us) {
+        let entry = record.into_entry();
+        if let Some(existing) = self.claims.find(entry.source_id(), entry.key(), now_us) {
             if existing.phase == Phase::Committed && entry.phase != Phase::Committed {
                 return;
             }
         }
-        self.claims.insert(key, entry);
+        self.claims.insert(entry);
     }
 
     pub fn from_snapshot(snapshot: TenantSnapshot, now_us: u64) -> Self {
