@@ -9,6 +9,7 @@
 //! buffer, and the node of a pending claim is interned per table (a tenant's
 //! claims come from a handful of edge nodes).
 
+use std::borrow::Cow;
 use std::cell::RefCell;
 use std::sync::Arc;
 
@@ -185,15 +186,87 @@ impl std::fmt::Debug for ClaimEntry {
 }
 
 /// A claim as it is persisted and exported: the serde form of one table entry.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// It shares its text and node with the table entry it was made from, so a hit
+/// reports the claim it made with two reference-count increments, not four string
+/// copies. Its serde form is the one of the plain struct of `String`s it used to
+/// be (`docs/protocol.md`; pinned by `tests/wire.rs`).
+#[derive(Clone, PartialEq, Eq)]
 pub struct ClaimRecord {
-    pub source_id: String,
-    pub key: String,
-    pub hook_id: String,
+    text: ClaimText,
     /// The node holding a pending claim; `None` once committed.
-    pub node: Option<String>,
+    node: Option<Arc<str>>,
     pub committed: bool,
     pub expires_us: u64,
+}
+
+/// [`ClaimRecord`] as it is written.
+#[derive(Serialize)]
+#[serde(rename = "ClaimRecord")]
+struct WireOut<'a> {
+    source_id: &'a str,
+    key: &'a str,
+    hook_id: &'a str,
+    node: Option<&'a str>,
+    committed: bool,
+    expires_us: u64,
+}
+
+/// [`ClaimRecord`] as it is read: borrowed where the input allows.
+#[derive(Deserialize)]
+#[serde(rename = "ClaimRecord")]
+struct WireIn<'a> {
+    #[serde(borrow)]
+    source_id: Cow<'a, str>,
+    #[serde(borrow)]
+    key: Cow<'a, str>,
+    #[serde(borrow)]
+    hook_id: Cow<'a, str>,
+    #[serde(borrow)]
+    node: Option<Cow<'a, str>>,
+    committed: bool,
+    expires_us: u64,
+}
+
+impl Serialize for ClaimRecord {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        WireOut {
+            source_id: self.source_id(),
+            key: self.key(),
+            hook_id: self.hook_id(),
+            node: self.node(),
+            committed: self.committed,
+            expires_us: self.expires_us,
+        }
+        .serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for ClaimRecord {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let wire = WireIn::deserialize(deserializer)?;
+        Ok(Self::new(
+            &wire.source_id,
+            &wire.key,
+            &wire.hook_id,
+            wire.node.as_deref(),
+            wire.committed,
+            wire.expires_us,
+        ))
+    }
+}
+
+impl std::fmt::Debug for ClaimRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClaimRecord")
+            .field("source_id", &self.source_id())
+            .field("key", &self.key())
+            .field("hook_id", &self.hook_id())
+            .field("node", &self.node())
+            .field("committed", &self.committed)
+            .field("expires_us", &self.expires_us)
+            .finish()
+    }
 }
 
 impl ClaimRecord {
@@ -206,9 +279,7 @@ impl ClaimRecord {
         expires_us: u64,
     ) -> Self {
         Self {
-            source_id: source_id.into(),
-            key: key.into(),
-            hook_id: hook_id.into(),
+            text: ClaimText::new(source_id, key, hook_id),
             node: node.map(Into::into),
             committed,
             expires_us,
@@ -216,15 +287,15 @@ impl ClaimRecord {
     }
 
     pub fn source_id(&self) -> &str {
-        &self.source_id
+        self.text.source_id()
     }
 
     pub fn key(&self) -> &str {
-        &self.key
+        self.text.key()
     }
 
     pub fn hook_id(&self) -> &str {
-        &self.hook_id
+        self.text.hook_id()
     }
 
     /// The node holding a pending claim; `None` once committed.
@@ -243,17 +314,15 @@ impl ClaimRecord {
 
     pub fn from_entry(entry: &ClaimEntry) -> Self {
         let (node, committed) = match &entry.phase {
-            Phase::Pending { node } => (Some(node.as_ref()), false),
+            Phase::Pending { node } => (Some(node.clone()), false),
             Phase::Committed => (None, true),
         };
-        Self::new(
-            entry.source_id(),
-            entry.key(),
-            entry.hook_id(),
+        Self {
+            text: entry.text.clone(),
             node,
             committed,
-            entry.expires_us,
-        )
+            expires_us: entry.expires_us,
+        }
     }
 
     pub fn into_entry(self) -> ClaimEntry {
@@ -261,16 +330,14 @@ impl ClaimRecord {
             Phase::Committed
         } else {
             Phase::Pending {
-                node: self.node.as_deref().unwrap_or_default().into(),
+                node: self.node.unwrap_or_else(|| "".into()),
             }
         };
-        ClaimEntry::new(
-            &self.source_id,
-            &self.key,
-            &self.hook_id,
+        ClaimEntry {
+            text: self.text,
             phase,
-            self.expires_us,
-        )
+            expires_us: self.expires_us,
+        }
     }
 }
 
@@ -602,6 +669,13 @@ mod tests {
         let record = ClaimRecord::from_entry(&entry);
         assert_eq!(record.node(), Some("n1"));
         assert!(!record.committed);
+        assert_eq!(record.clone().into_entry(), entry);
+        assert_eq!(
+            record,
+            ClaimRecord::new("s", "k", "h", Some("n1"), false, 5)
+        );
+        // A record shares the entry's text rather than copying it.
+        assert!(Arc::ptr_eq(&record.text.text, &entry.text.text));
         assert_eq!(record.into_entry(), entry);
         let committed = ClaimEntry::new("s", "k", "h", Phase::Committed, 5);
         let record = ClaimRecord::from_entry(&committed);

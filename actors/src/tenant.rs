@@ -219,22 +219,14 @@ impl TenantState {
                 return Applied::unchanged(outcome);
             }
             let expires_us = until_ms(now_us, claim.pending_ttl_ms);
-            slot.claim(
+            let entry = slot.claim(
                 &claim.source_id,
                 &claim.key,
                 &claim.hook_id,
                 &claim.node,
                 expires_us,
             );
-            // The record straight from the request: the same fields the entry holds.
-            changes.claim = Some(ClaimChange::Put(ClaimRecord::new(
-                &claim.source_id,
-                &claim.key,
-                &claim.hook_id,
-                Some(&claim.node),
-                false,
-                expires_us,
-            )));
+            changes.claim = Some(ClaimChange::Put(ClaimRecord::from_entry(entry)));
         }
 
         for charge in &req.charges {

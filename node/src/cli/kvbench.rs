@@ -203,7 +203,7 @@ async fn durable_in(scratch: &Scratch, args: &DurableArgs) -> Result<DurableRepo
     while puts < args.sequential_max && start.elapsed() < limit {
         let i = 10_000_000 + puts;
         let record = committed(i, expires_us);
-        let key = claim_key(0, "seq", &record.source_id, &record.key);
+        let key = claim_key(0, "seq", record.source_id(), record.key());
         let value = rmp_serde::to_vec_named(&StoredClaim {
             tenant: "seq".into(),
             claim: record,
