@@ -79,19 +79,25 @@ thread_local! {
 
 impl ClaimText {
     fn new(source_id: &str, key: &str, hook_id: &str) -> Self {
-        let text = SCRATCH.with(|scratch| {
-            let mut scratch = scratch.borrow_mut();
-            scratch.clear();
-            scratch.push_str(source_id);
-            scratch.push_str(key);
-            scratch.push_str(hook_id);
-            let text = Arc::<str>::from(scratch.as_str());
-            // Records read back from storage are not bounded like requests are.
-            if scratch.capacity() > 4096 {
-                *scratch = String::new();
-            }
-            text
-        });
+        let join = |buf: &mut String| {
+            buf.clear();
+            buf.push_str(source_id);
+            buf.push_str(key);
+            buf.push_str(hook_id);
+            Arc::<str>::from(buf.as_str())
+        };
+        let text = SCRATCH
+            .try_with(|scratch| {
+                let mut scratch = scratch.borrow_mut();
+                let text = join(&mut scratch);
+                // Records read back from storage are not bounded like requests are.
+                if scratch.capacity() > 4096 {
+                    *scratch = String::new();
+                }
+                text
+            })
+            // Only while the thread's locals are being torn down.
+            .unwrap_or_else(|_| join(&mut String::new()));
         // Strings past 4 GiB cannot reach a table (frames are far smaller); were
         // one to, the parts would read empty rather than panic.
         Self {
@@ -102,7 +108,7 @@ impl ClaimText {
     }
 
     fn key_end(&self) -> usize {
-        self.source_len as usize + self.key_len as usize
+        (self.source_len as usize).saturating_add(self.key_len as usize)
     }
 
     fn source_id(&self) -> &str {
