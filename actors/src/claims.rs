@@ -4,13 +4,26 @@
 //! makes it *committed*. Expiry is checked on every read, so a claim is free the
 //! moment it expires; [`ClaimTable::sweep`] only gives the memory back, in one
 //! pass driven by the owner's tick rather than a timer per claim.
+//!
+//! A claim costs one allocation: its `source_id`, `key` and `hook_id` share one
+//! buffer, and the node of a pending claim is interned per table (a tenant's
+//! claims come from a handful of edge nodes).
 
-use std::collections::hash_map::{Entry, HashMap};
+use std::borrow::Cow;
+use std::cell::RefCell;
+use std::sync::Arc;
 
+// Event keys come from senders, so the table's hasher must be keyed: aHash with
+// keys from the OS at process start (and a fresh one per table) costs a fifth of
+// SipHash on a ~55-byte key and, unlike an unkeyed hash, gives a flooder no
+// collisions to precompute.
+use ahash::RandomState;
+use hashbrown::hash_table::{Entry, HashTable};
 use serde::{Deserialize, Serialize};
 
-/// A claim's place in the table: `(source_id, key)` packed into one allocation as
-/// `"<len(source_id)>:<source_id><key>"`, which is unambiguous for any bytes.
+/// `(source_id, key)` packed into one allocation as
+/// `"<len(source_id)>:<source_id><key>"`, which is unambiguous for any bytes. The
+/// table does not store it; it names a claim to [`ClaimTable::live`].
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ClaimKey(Box<str>);
 
@@ -51,73 +64,286 @@ impl ClaimKey {
     }
 }
 
+/// A claim's `source_id`, `key` and `hook_id` in one shared allocation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ClaimText {
+    text: Arc<str>,
+    source_len: u32,
+    key_len: u32,
+}
+
+thread_local! {
+    /// Where a claim's text is put together before its one allocation is made.
+    static SCRATCH: RefCell<String> = const { RefCell::new(String::new()) };
+}
+
+impl ClaimText {
+    fn new(source_id: &str, key: &str, hook_id: &str) -> Self {
+        let join = |buf: &mut String| {
+            buf.clear();
+            buf.push_str(source_id);
+            buf.push_str(key);
+            buf.push_str(hook_id);
+            Arc::<str>::from(buf.as_str())
+        };
+        let text = SCRATCH
+            .try_with(|scratch| {
+                let mut scratch = scratch.borrow_mut();
+                let text = join(&mut scratch);
+                // Records read back from storage are not bounded like requests are.
+                if scratch.capacity() > 4096 {
+                    *scratch = String::new();
+                }
+                text
+            })
+            // Only while the thread's locals are being torn down.
+            .unwrap_or_else(|_| join(&mut String::new()));
+        // Strings past 4 GiB cannot reach a table (frames are far smaller); were
+        // one to, the parts would read empty rather than panic.
+        Self {
+            text,
+            source_len: u32::try_from(source_id.len()).unwrap_or(u32::MAX),
+            key_len: u32::try_from(key.len()).unwrap_or(u32::MAX),
+        }
+    }
+
+    fn key_end(&self) -> usize {
+        (self.source_len as usize).saturating_add(self.key_len as usize)
+    }
+
+    fn source_id(&self) -> &str {
+        self.text
+            .get(..self.source_len as usize)
+            .unwrap_or_default()
+    }
+
+    fn key(&self) -> &str {
+        self.text
+            .get(self.source_len as usize..self.key_end())
+            .unwrap_or_default()
+    }
+
+    fn hook_id(&self) -> &str {
+        self.text.get(self.key_end()..).unwrap_or_default()
+    }
+
+    fn names(&self, source_id: &str, key: &str) -> bool {
+        let bytes = self.text.as_bytes();
+        self.source_len as usize == source_id.len()
+            && self.key_len as usize == key.len()
+            && bytes.get(..source_id.len()) == Some(source_id.as_bytes())
+            && bytes.get(source_id.len()..self.key_end()) == Some(key.as_bytes())
+    }
+}
+
 /// Where a claim stands.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Phase {
     /// In flight on `node`; nobody may answer Duplicate for it.
-    Pending { node: Box<str> },
+    Pending { node: Arc<str> },
     /// The hook is durable; the key answers Duplicate until it expires.
     Committed,
 }
 
-/// One claim: who holds the key, in which phase, until when (unix µs).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One claim: which key, who holds it, in which phase, until when (unix µs).
+#[derive(Clone, PartialEq, Eq)]
 pub struct ClaimEntry {
-    pub hook_id: Box<str>,
+    text: ClaimText,
     pub phase: Phase,
     pub expires_us: u64,
 }
 
 impl ClaimEntry {
+    pub fn new(source_id: &str, key: &str, hook_id: &str, phase: Phase, expires_us: u64) -> Self {
+        Self {
+            text: ClaimText::new(source_id, key, hook_id),
+            phase,
+            expires_us,
+        }
+    }
+
+    pub fn source_id(&self) -> &str {
+        self.text.source_id()
+    }
+
+    pub fn key(&self) -> &str {
+        self.text.key()
+    }
+
+    pub fn hook_id(&self) -> &str {
+        self.text.hook_id()
+    }
+
     pub fn is_live(&self, now_us: u64) -> bool {
         self.expires_us > now_us
     }
 }
 
+impl std::fmt::Debug for ClaimEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClaimEntry")
+            .field("source_id", &self.source_id())
+            .field("key", &self.key())
+            .field("hook_id", &self.hook_id())
+            .field("phase", &self.phase)
+            .field("expires_us", &self.expires_us)
+            .finish()
+    }
+}
+
 /// A claim as it is persisted and exported: the serde form of one table entry.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// It shares its text and node with the table entry it was made from, so a hit
+/// reports the claim it made with two reference-count increments, not four string
+/// copies. Its serde form is the one of the plain struct of `String`s it used to
+/// be (`docs/protocol.md`; pinned by `tests/wire.rs`).
+#[derive(Clone, PartialEq, Eq)]
 pub struct ClaimRecord {
-    pub source_id: String,
-    pub key: String,
-    pub hook_id: String,
+    text: ClaimText,
     /// The node holding a pending claim; `None` once committed.
-    pub node: Option<String>,
+    node: Option<Arc<str>>,
     pub committed: bool,
     pub expires_us: u64,
 }
 
+/// [`ClaimRecord`] as it is written.
+#[derive(Serialize)]
+#[serde(rename = "ClaimRecord")]
+struct WireOut<'a> {
+    source_id: &'a str,
+    key: &'a str,
+    hook_id: &'a str,
+    node: Option<&'a str>,
+    committed: bool,
+    expires_us: u64,
+}
+
+/// [`ClaimRecord`] as it is read: borrowed where the input allows.
+#[derive(Deserialize)]
+#[serde(rename = "ClaimRecord")]
+struct WireIn<'a> {
+    #[serde(borrow)]
+    source_id: Cow<'a, str>,
+    #[serde(borrow)]
+    key: Cow<'a, str>,
+    #[serde(borrow)]
+    hook_id: Cow<'a, str>,
+    #[serde(borrow)]
+    node: Option<Cow<'a, str>>,
+    committed: bool,
+    expires_us: u64,
+}
+
+impl Serialize for ClaimRecord {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        WireOut {
+            source_id: self.source_id(),
+            key: self.key(),
+            hook_id: self.hook_id(),
+            node: self.node(),
+            committed: self.committed,
+            expires_us: self.expires_us,
+        }
+        .serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for ClaimRecord {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let wire = WireIn::deserialize(deserializer)?;
+        Ok(Self::new(
+            &wire.source_id,
+            &wire.key,
+            &wire.hook_id,
+            wire.node.as_deref(),
+            wire.committed,
+            wire.expires_us,
+        ))
+    }
+}
+
+impl std::fmt::Debug for ClaimRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClaimRecord")
+            .field("source_id", &self.source_id())
+            .field("key", &self.key())
+            .field("hook_id", &self.hook_id())
+            .field("node", &self.node())
+            .field("committed", &self.committed)
+            .field("expires_us", &self.expires_us)
+            .finish()
+    }
+}
+
 impl ClaimRecord {
-    pub fn from_entry(key: &ClaimKey, entry: &ClaimEntry) -> Self {
-        let (source_id, key) = key.parts();
+    pub fn new(
+        source_id: &str,
+        key: &str,
+        hook_id: &str,
+        node: Option<&str>,
+        committed: bool,
+        expires_us: u64,
+    ) -> Self {
+        Self {
+            text: ClaimText::new(source_id, key, hook_id),
+            node: node.map(Into::into),
+            committed,
+            expires_us,
+        }
+    }
+
+    pub fn source_id(&self) -> &str {
+        self.text.source_id()
+    }
+
+    pub fn key(&self) -> &str {
+        self.text.key()
+    }
+
+    pub fn hook_id(&self) -> &str {
+        self.text.hook_id()
+    }
+
+    /// The node holding a pending claim; `None` once committed.
+    pub fn node(&self) -> Option<&str> {
+        self.node.as_deref()
+    }
+
+    pub fn committed(&self) -> bool {
+        self.committed
+    }
+
+    /// Unix µs.
+    pub fn expires_us(&self) -> u64 {
+        self.expires_us
+    }
+
+    pub fn from_entry(entry: &ClaimEntry) -> Self {
         let (node, committed) = match &entry.phase {
-            Phase::Pending { node } => (Some(node.to_string()), false),
+            Phase::Pending { node } => (Some(node.clone()), false),
             Phase::Committed => (None, true),
         };
         Self {
-            source_id: source_id.into(),
-            key: key.into(),
-            hook_id: entry.hook_id.to_string(),
+            text: entry.text.clone(),
             node,
             committed,
             expires_us: entry.expires_us,
         }
     }
 
-    pub fn into_entry(self) -> (ClaimKey, ClaimEntry) {
-        let key = ClaimKey::new(&self.source_id, &self.key);
+    pub fn into_entry(self) -> ClaimEntry {
         let phase = if self.committed {
             Phase::Committed
         } else {
             Phase::Pending {
-                node: self.node.unwrap_or_default().into_boxed_str(),
+                node: self.node.unwrap_or_else(|| "".into()),
             }
         };
-        let entry = ClaimEntry {
-            hook_id: self.hook_id.into_boxed_str(),
+        ClaimEntry {
+            text: self.text,
             phase,
             expires_us: self.expires_us,
-        };
-        (key, entry)
+        }
     }
 }
 
@@ -126,73 +352,202 @@ impl ClaimRecord {
 pub struct ClaimTable {
     /// Made on the first claim and dropped when a sweep empties it: most tenant
     /// states (every parked one that only holds TATs) have no claim, and an
-    /// empty inline `HashMap` costs 48 bytes in each of them; `None` costs 8.
-    /// The box is the point (a small inline size), hence the allow.
-    #[allow(clippy::box_collection)]
-    entries: Option<Box<HashMap<ClaimKey, ClaimEntry>>>,
+    /// inline table costs bytes in each of them; `None` costs 8.
+    entries: Option<Box<Claims>>,
+}
+
+/// Nodes interned per table. Past this many distinct nodes in use at once, a
+/// claim gets a node string of its own.
+const MAX_NODES: usize = 16;
+
+#[derive(Clone, Default)]
+struct Claims {
+    table: HashTable<ClaimEntry>,
+    hasher: RandomState,
+    nodes: Vec<Arc<str>>,
+}
+
+impl std::fmt::Debug for Claims {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.table.iter()).finish()
+    }
+}
+
+impl Claims {
+    fn hash(&self, source_id: &str, key: &str) -> u64 {
+        self.hasher.hash_one((source_id, key))
+    }
+}
+
+/// The node `node` as an `Arc` shared with the table's other claims from it.
+fn intern(nodes: &mut Vec<Arc<str>>, node: &str) -> Arc<str> {
+    if let Some(known) = nodes.iter().find(|n| ***n == *node) {
+        return known.clone();
+    }
+    let fresh: Arc<str> = node.into();
+    // Reuse the place of a node no claim holds any more.
+    if let Some(unused) = nodes.iter_mut().find(|n| Arc::strong_count(n) == 1) {
+        *unused = fresh.clone();
+    } else if nodes.len() < MAX_NODES {
+        nodes.push(fresh.clone());
+    }
+    fresh
+}
+
+/// The table's place for one `(source_id, key)`, live, expired or vacant: what a
+/// hit reads and then may claim, with one hash.
+pub(crate) struct Slot<'a> {
+    entry: Entry<'a, ClaimEntry>,
+    nodes: &'a mut Vec<Arc<str>>,
+}
+
+impl<'a> Slot<'a> {
+    /// The claim here, live or expired.
+    pub(crate) fn get(&self) -> Option<&ClaimEntry> {
+        match &self.entry {
+            Entry::Occupied(occupied) => Some(occupied.get()),
+            Entry::Vacant(_) => None,
+        }
+    }
+
+    /// Makes the key `hook_id`'s, pending on `node` (an expired claim is
+    /// replaced where it lies).
+    pub(crate) fn claim(
+        self,
+        source_id: &str,
+        key: &str,
+        hook_id: &str,
+        node: &str,
+        expires_us: u64,
+    ) -> &'a ClaimEntry {
+        let entry = ClaimEntry::new(
+            source_id,
+            key,
+            hook_id,
+            Phase::Pending {
+                node: intern(self.nodes, node),
+            },
+            expires_us,
+        );
+        match self.entry {
+            Entry::Occupied(occupied) => {
+                let slot = occupied.into_mut();
+                *slot = entry;
+                slot
+            }
+            Entry::Vacant(vacant) => vacant.insert(entry).into_mut(),
+        }
+    }
 }
 
 impl ClaimTable {
-    /// The live claim on `key`, if any.
+    /// The live claim named by a packed key, if any.
     pub fn live(&self, key: &ClaimKey, now_us: u64) -> Option<&ClaimEntry> {
-        self.entries
-            .as_ref()?
-            .get(key)
+        let (source_id, key) = key.parts();
+        self.find(source_id, key, now_us)
+    }
+
+    /// The live claim on `(source_id, key)`, if any.
+    pub fn find(&self, source_id: &str, key: &str, now_us: u64) -> Option<&ClaimEntry> {
+        let claims = self.entries.as_ref()?;
+        claims
+            .table
+            .find(claims.hash(source_id, key), |e| {
+                e.text.names(source_id, key)
+            })
             .filter(|e| e.is_live(now_us))
     }
 
-    pub fn live_mut(&mut self, key: &ClaimKey, now_us: u64) -> Option<&mut ClaimEntry> {
-        self.entries
-            .as_mut()?
-            .get_mut(key)
+    pub fn find_mut(&mut self, source_id: &str, key: &str, now_us: u64) -> Option<&mut ClaimEntry> {
+        let claims = self.entries.as_mut()?;
+        let hash = claims.hash(source_id, key);
+        claims
+            .table
+            .find_mut(hash, |e| e.text.names(source_id, key))
             .filter(|e| e.is_live(now_us))
     }
 
-    fn map(&mut self) -> &mut HashMap<ClaimKey, ClaimEntry> {
-        self.entries.get_or_insert_with(Box::default)
+    pub(crate) fn slot(&mut self, source_id: &str, key: &str) -> Slot<'_> {
+        let claims = &mut **self.entries.get_or_insert_with(Box::default);
+        let hash = claims.hash(source_id, key);
+        let Claims {
+            table,
+            hasher,
+            nodes,
+        } = claims;
+        let entry = table.entry(
+            hash,
+            |e| e.text.names(source_id, key),
+            |e| hasher.hash_one((e.source_id(), e.key())),
+        );
+        Slot { entry, nodes }
     }
 
-    /// The table's slot for `key`, live, expired or vacant: one hash for a hit that
-    /// reads the key and then may claim it.
-    pub(crate) fn entry(&mut self, key: ClaimKey) -> Entry<'_, ClaimKey, ClaimEntry> {
-        self.map().entry(key)
+    /// Puts `entry` in, over any claim on its key.
+    pub fn insert(&mut self, mut entry: ClaimEntry) {
+        let claims = &mut **self.entries.get_or_insert_with(Box::default);
+        if let Phase::Pending { node } = &mut entry.phase {
+            *node = intern(&mut claims.nodes, node);
+        }
+        let hash = claims.hash(entry.source_id(), entry.key());
+        let Claims { table, hasher, .. } = claims;
+        match table.entry(
+            hash,
+            |e| e.text.names(entry.source_id(), entry.key()),
+            |e| hasher.hash_one((e.source_id(), e.key())),
+        ) {
+            Entry::Occupied(mut occupied) => *occupied.get_mut() = entry,
+            Entry::Vacant(vacant) => {
+                vacant.insert(entry);
+            }
+        }
     }
 
-    pub fn insert(&mut self, key: ClaimKey, entry: ClaimEntry) {
-        self.map().insert(key, entry);
-    }
-
-    pub fn remove(&mut self, key: &ClaimKey) -> Option<ClaimEntry> {
-        self.entries.as_mut()?.remove(key)
+    pub fn remove(&mut self, source_id: &str, key: &str) -> Option<ClaimEntry> {
+        let claims = self.entries.as_mut()?;
+        let hash = claims.hash(source_id, key);
+        let occupied = claims
+            .table
+            .find_entry(hash, |e| e.text.names(source_id, key))
+            .ok()?;
+        Some(occupied.remove().0)
     }
 
     /// Drops every expired claim; returns how many went.
     pub fn sweep(&mut self, now_us: u64) -> usize {
-        let Some(entries) = self.entries.as_mut() else {
+        let Some(claims) = self.entries.as_mut() else {
             return 0;
         };
-        let before = entries.len();
-        entries.retain(|_, e| e.is_live(now_us));
-        let swept = before - entries.len();
-        if entries.is_empty() {
+        let before = claims.table.len();
+        claims.table.retain(|e| e.is_live(now_us));
+        let swept = before - claims.table.len();
+        if claims.table.is_empty() {
             self.entries = None;
-        } else if entries.capacity() > 4 * entries.len().max(8) {
-            entries.shrink_to_fit();
+        } else {
+            claims.nodes.retain(|n| Arc::strong_count(n) > 1);
+            if claims.table.capacity() > 4 * claims.table.len().max(8) {
+                let Claims { table, hasher, .. } = &mut **claims;
+                table.shrink_to_fit(|e| hasher.hash_one((e.source_id(), e.key())));
+            }
         }
         swept
     }
 
     /// Claims held, live or not yet swept.
     pub fn len(&self) -> usize {
-        self.entries.as_ref().map_or(0, |e| e.len())
+        self.entries.as_ref().map_or(0, |c| c.table.len())
     }
 
     pub fn is_empty(&self) -> bool {
-        self.entries.as_ref().is_none_or(|e| e.is_empty())
+        self.entries.as_ref().is_none_or(|c| c.table.is_empty())
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = (&ClaimKey, &ClaimEntry)> {
-        self.entries.iter().flat_map(|e| e.iter())
+    /// Every claim held with its `(source_id, key)`, live or not yet swept.
+    pub fn iter(&self) -> impl Iterator<Item = ((&str, &str), &ClaimEntry)> {
+        self.entries
+            .iter()
+            .flat_map(|c| c.table.iter())
+            .map(|e| ((e.source_id(), e.key()), e))
     }
 }
 
@@ -224,6 +579,28 @@ mod tests {
     }
 
     #[test]
+    fn claim_text_splits_where_it_was_joined() {
+        for (s, k, h) in [
+            ("src", "key", "hook"),
+            ("", "", ""),
+            ("ab", "c", ""),
+            ("a", "bc", "d"),
+            ("ünï", "cødé\0", "hø"),
+        ] {
+            let text = ClaimText::new(s, k, h);
+            assert_eq!((text.source_id(), text.key(), text.hook_id()), (s, k, h));
+            assert!(text.names(s, k));
+        }
+        // The same bytes split elsewhere name another claim.
+        assert!(!ClaimText::new("ab", "c", "").names("a", "bc"));
+        assert!(!ClaimText::new("a", "bc", "").names("ab", "c"));
+        assert_ne!(
+            ClaimText::new("ab", "c", "h"),
+            ClaimText::new("a", "bc", "h")
+        );
+    }
+
+    #[test]
     fn an_empty_table_is_one_pointer() {
         // Kept in every tenant's state, parked ones included (docs/benchmarks.md).
         assert_eq!(std::mem::size_of::<ClaimTable>(), 8);
@@ -231,39 +608,84 @@ mod tests {
         assert!(table.is_empty() && table.iter().next().is_none());
         assert_eq!(table.len(), 0);
         assert_eq!(table.sweep(0), 0);
-        assert!(table.remove(&ClaimKey::new("s", "k")).is_none());
+        assert!(table.remove("s", "k").is_none());
+        assert!(table.find("s", "k", 0).is_none());
+        assert!(table.live(&ClaimKey::new("s", "k"), 0).is_none());
     }
 
     #[test]
     fn expired_claims_are_invisible_then_swept() {
         let mut table = ClaimTable::default();
-        let key = ClaimKey::new("s", "k");
-        table.insert(
-            key.clone(),
-            ClaimEntry {
-                hook_id: "h".into(),
-                phase: Phase::Committed,
-                expires_us: 100,
-            },
-        );
-        assert!(table.live(&key, 99).is_some());
-        assert!(table.live(&key, 100).is_none());
+        table.insert(ClaimEntry::new("s", "k", "h", Phase::Committed, 100));
+        assert!(table.find("s", "k", 99).is_some());
+        assert!(table.live(&ClaimKey::new("s", "k"), 99).is_some());
+        assert!(table.find("s", "k", 100).is_none());
         assert_eq!(table.sweep(99), 0);
         assert_eq!(table.sweep(100), 1);
         assert!(table.is_empty());
     }
 
     #[test]
-    fn record_round_trip() {
-        let key = ClaimKey::new("s", "k");
-        let entry = ClaimEntry {
-            hook_id: "h".into(),
-            phase: Phase::Pending { node: "n1".into() },
-            expires_us: 5,
+    fn a_slot_claims_vacant_and_expired_keys_in_place() {
+        let mut table = ClaimTable::default();
+        assert!(table.slot("s", "k").get().is_none());
+        let claimed = table.slot("s", "k").claim("s", "k", "h1", "n1", 10);
+        assert_eq!((claimed.hook_id(), claimed.expires_us), ("h1", 10));
+        assert_eq!(table.slot("s", "k").get().map(|e| e.hook_id()), Some("h1"));
+        table.slot("s", "k").claim("s", "k", "h2", "n1", 20);
+        assert_eq!(table.len(), 1);
+        let entry = table.find("s", "k", 15).expect("replaced");
+        assert_eq!(entry.hook_id(), "h2");
+        assert!(table.find("s", "other", 15).is_none());
+    }
+
+    #[test]
+    fn pending_claims_share_their_node() {
+        let mut table = ClaimTable::default();
+        let node_of = |e: &ClaimEntry| match &e.phase {
+            Phase::Pending { node } => node.clone(),
+            Phase::Committed => panic!("pending expected"),
         };
-        let record = ClaimRecord::from_entry(&key, &entry);
-        assert_eq!(record.node.as_deref(), Some("n1"));
+        let a = node_of(table.slot("s", "a").claim("s", "a", "h", "edge-1", 10));
+        let b = node_of(table.slot("s", "b").claim("s", "b", "h", "edge-1", 10));
+        let c = node_of(table.slot("s", "c").claim("s", "c", "h", "edge-2", 10));
+        assert!(Arc::ptr_eq(&a, &b));
+        assert!(!Arc::ptr_eq(&a, &c));
+        table.insert(ClaimEntry::new(
+            "s",
+            "d",
+            "h",
+            Phase::Pending {
+                node: "edge-2".into(),
+            },
+            10,
+        ));
+        let d = node_of(table.find("s", "d", 0).expect("inserted"));
+        assert!(Arc::ptr_eq(&c, &d));
+        drop((a, b, c, d));
+        // Once their claims are swept, unused nodes are let go.
+        table.insert(ClaimEntry::new("s", "e", "h", Phase::Committed, 20));
+        assert_eq!(table.sweep(10), 4);
+        assert!(table.entries.as_ref().is_some_and(|c| c.nodes.is_empty()));
+    }
+
+    #[test]
+    fn record_round_trip() {
+        let entry = ClaimEntry::new("s", "k", "h", Phase::Pending { node: "n1".into() }, 5);
+        let record = ClaimRecord::from_entry(&entry);
+        assert_eq!(record.node(), Some("n1"));
         assert!(!record.committed);
-        assert_eq!(record.into_entry(), (key, entry));
+        assert_eq!(record.clone().into_entry(), entry);
+        assert_eq!(
+            record,
+            ClaimRecord::new("s", "k", "h", Some("n1"), false, 5)
+        );
+        // A record shares the entry's text rather than copying it.
+        assert!(Arc::ptr_eq(&record.text.text, &entry.text.text));
+        assert_eq!(record.into_entry(), entry);
+        let committed = ClaimEntry::new("s", "k", "h", Phase::Committed, 5);
+        let record = ClaimRecord::from_entry(&committed);
+        assert_eq!((record.node(), record.committed), (None, true));
+        assert_eq!(record.into_entry(), committed);
     }
 }

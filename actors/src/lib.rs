@@ -18,7 +18,9 @@ pub mod types;
 pub use actor::{spawn_shard, Refused, ShardConfig, ShardMsg, ShardStats, TenantFailure};
 pub use claims::ClaimRecord;
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use tenant::{Applied, BucketRecord, Changes, ClaimChange, TenantSnapshot, TenantState};
+pub use tenant::{
+    Applied, BucketRecord, Buckets, Changes, ClaimChange, TenantSnapshot, TenantState,
+};
 pub use types::{
     Charge, Claim, HitOutcome, HitRequest, InvalidRequest, Kind, SettleOutcome, SettleRequest,
     Settlement,

@@ -5,11 +5,9 @@
 //! layer above can persist exactly what moved (claims before answering, bucket
 //! TATs written behind) without diffing state.
 
-use std::collections::hash_map::Entry;
-
 use serde::{Deserialize, Serialize};
 
-use crate::claims::{ClaimEntry, ClaimKey, ClaimRecord, ClaimTable, Phase};
+use crate::claims::{ClaimRecord, ClaimTable, Phase};
 use crate::gcra;
 use crate::types::{HitOutcome, HitRequest, Kind, SettleOutcome, SettleRequest, Settlement};
 
@@ -41,7 +39,83 @@ pub enum ClaimChange {
 pub struct Changes {
     pub claim: Option<ClaimChange>,
     /// The new TAT of every bucket that moved (0 after a reset).
-    pub buckets: Vec<BucketRecord>,
+    pub buckets: Buckets,
+}
+
+/// The buckets one call moved, in the order it charged them. A tenant has one
+/// bucket per [`Kind`], so they fit inline: reporting them allocates nothing on
+/// every hit. Reads as a slice (`iter`, `len`, `is_empty`, indexing).
+#[derive(Clone, Copy)]
+pub struct Buckets {
+    len: u8,
+    items: [BucketRecord; Kind::ALL.len()],
+}
+
+impl Buckets {
+    /// Records `bucket`; a kind already here takes the new TAT, so every kind is
+    /// reported once with its last value.
+    pub fn push(&mut self, bucket: BucketRecord) {
+        let len = usize::from(self.len);
+        if let Some(same) = self.items[..len].iter_mut().find(|b| b.kind == bucket.kind) {
+            *same = bucket;
+        } else if let Some(free) = self.items.get_mut(len) {
+            *free = bucket;
+            self.len += 1;
+        }
+    }
+}
+
+impl Default for Buckets {
+    fn default() -> Self {
+        Self {
+            len: 0,
+            items: [BucketRecord {
+                kind: Kind::Hooks,
+                tat_us: 0,
+            }; Kind::ALL.len()],
+        }
+    }
+}
+
+impl std::ops::Deref for Buckets {
+    type Target = [BucketRecord];
+
+    fn deref(&self) -> &[BucketRecord] {
+        &self.items[..usize::from(self.len)]
+    }
+}
+
+impl<'a> IntoIterator for &'a Buckets {
+    type Item = &'a BucketRecord;
+    type IntoIter = std::slice::Iter<'a, BucketRecord>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
+impl FromIterator<BucketRecord> for Buckets {
+    fn from_iter<I: IntoIterator<Item = BucketRecord>>(iter: I) -> Self {
+        let mut buckets = Self::default();
+        for bucket in iter {
+            buckets.push(bucket);
+        }
+        buckets
+    }
+}
+
+impl PartialEq for Buckets {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl Eq for Buckets {}
+
+impl std::fmt::Debug for Buckets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
 }
 
 impl Changes {
@@ -100,21 +174,17 @@ impl TenantState {
         let slot = req
             .claim
             .as_ref()
-            .map(|c| (c, claims.entry(ClaimKey::new(&c.source_id, &c.key))));
-        if let Some((claim, Entry::Occupied(occupied))) = &slot {
-            let entry = occupied.get();
+            .map(|c| (c, claims.slot(&c.source_id, &c.key)));
+        if let Some((claim, Some(entry))) = slot.as_ref().map(|(c, s)| (c, s.get())) {
             if entry.is_live(now_us)
                 && matches!(entry.phase, Phase::Pending { .. })
-                && *entry.hook_id == *claim.hook_id
+                && entry.hook_id() == claim.hook_id
             {
                 return Applied {
                     outcome: HitOutcome::Ok,
                     changes: Changes {
-                        claim: Some(ClaimChange::Put(ClaimRecord::from_entry(
-                            occupied.key(),
-                            entry,
-                        ))),
-                        buckets: Vec::new(),
+                        claim: Some(ClaimChange::Put(ClaimRecord::from_entry(entry))),
+                        buckets: Buckets::default(),
                     },
                 };
             }
@@ -135,52 +205,28 @@ impl TenantState {
             });
         }
 
-        let mut changes = Changes {
-            claim: None,
-            buckets: Vec::with_capacity(req.charges.len()),
-        };
+        let mut changes = Changes::default();
         if let Some((claim, slot)) = slot {
-            if let Entry::Occupied(occupied) = &slot {
-                let entry = occupied.get();
-                if entry.is_live(now_us) {
-                    let outcome = match entry.phase {
-                        Phase::Committed => HitOutcome::Duplicate {
-                            hook_id: entry.hook_id.to_string(),
-                        },
-                        Phase::Pending { .. } => HitOutcome::Pending {
-                            retry_after_ms: gcra::retry_ms(entry.expires_us - now_us),
-                        },
-                    };
-                    return Applied::unchanged(outcome);
-                }
+            if let Some(entry) = slot.get().filter(|e| e.is_live(now_us)) {
+                let outcome = match entry.phase {
+                    Phase::Committed => HitOutcome::Duplicate {
+                        hook_id: entry.hook_id().to_string(),
+                    },
+                    Phase::Pending { .. } => HitOutcome::Pending {
+                        retry_after_ms: gcra::retry_ms(entry.expires_us - now_us),
+                    },
+                };
+                return Applied::unchanged(outcome);
             }
             let expires_us = until_ms(now_us, claim.pending_ttl_ms);
-            let entry = ClaimEntry {
-                hook_id: claim.hook_id.as_str().into(),
-                phase: Phase::Pending {
-                    node: claim.node.as_str().into(),
-                },
+            let entry = slot.claim(
+                &claim.source_id,
+                &claim.key,
+                &claim.hook_id,
+                &claim.node,
                 expires_us,
-            };
-            // The record straight from the request: the same fields the entry holds,
-            // without unpacking the key again.
-            changes.claim = Some(ClaimChange::Put(ClaimRecord {
-                source_id: claim.source_id.clone(),
-                key: claim.key.clone(),
-                hook_id: claim.hook_id.clone(),
-                node: Some(claim.node.clone()),
-                committed: false,
-                expires_us,
-            }));
-            match slot {
-                // An expired claim is replaced where it lies.
-                Entry::Occupied(mut expired) => {
-                    expired.insert(entry);
-                }
-                Entry::Vacant(vacant) => {
-                    vacant.insert(entry);
-                }
-            }
+            );
+            changes.claim = Some(ClaimChange::Put(ClaimRecord::from_entry(entry)));
         }
 
         for charge in &req.charges {
@@ -204,13 +250,12 @@ impl TenantState {
     /// the hook is already durable.
     pub fn settle(&mut self, now_us: u64, req: &SettleRequest) -> Applied<SettleOutcome> {
         let claim = &req.claim;
-        let key = ClaimKey::new(&claim.source_id, &claim.key);
-        let Some(entry) = self.claims.live_mut(&key, now_us) else {
+        let Some(entry) = self.claims.find_mut(&claim.source_id, &claim.key, now_us) else {
             return Applied::unchanged(SettleOutcome::NotFound);
         };
-        if *entry.hook_id != *claim.hook_id {
+        if entry.hook_id() != claim.hook_id {
             return Applied::unchanged(SettleOutcome::NotOwner {
-                hook_id: entry.hook_id.to_string(),
+                hook_id: entry.hook_id().to_string(),
             });
         }
         let change = match (&entry.phase, req.settlement) {
@@ -219,7 +264,7 @@ impl TenantState {
             }
             (Phase::Pending { .. }, Settlement::Release) => {
                 let expires_us = entry.expires_us;
-                self.claims.remove(&key);
+                self.claims.remove(&claim.source_id, &claim.key);
                 ClaimChange::Delete {
                     source_id: claim.source_id.clone(),
                     key: claim.key.clone(),
@@ -230,17 +275,17 @@ impl TenantState {
             (Phase::Pending { .. }, Settlement::Commit) => {
                 entry.phase = Phase::Committed;
                 entry.expires_us = until_ms(now_us, claim.ttl_ms);
-                ClaimChange::Put(ClaimRecord::from_entry(&key, entry))
+                ClaimChange::Put(ClaimRecord::from_entry(entry))
             }
             (Phase::Committed, Settlement::Commit) => {
-                ClaimChange::Put(ClaimRecord::from_entry(&key, entry))
+                ClaimChange::Put(ClaimRecord::from_entry(entry))
             }
         };
         Applied {
             outcome: SettleOutcome::Ok,
             changes: Changes {
                 claim: Some(change),
-                buckets: Vec::new(),
+                buckets: Buckets::default(),
             },
         }
     }
@@ -293,7 +338,7 @@ impl TenantState {
                 .claims
                 .iter()
                 .filter(|(_, e)| e.is_live(now_us))
-                .map(|(k, e)| ClaimRecord::from_entry(k, e))
+                .map(|(_, e)| ClaimRecord::from_entry(e))
                 .collect(),
         }
     }
@@ -313,21 +358,53 @@ impl TenantState {
 
     /// Adds one persisted claim; a committed claim is never replaced by a pending one.
     pub fn absorb_claim(&mut self, record: ClaimRecord, now_us: u64) {
-        if record.expires_us <= now_us {
+        if record.expires_us() <= now_us {
             return;
         }
-        let (key, entry) = record.into_entry();
-        if let Some(existing) = self.claims.live(&key, now_us) {
+        let entry = record.into_entry();
+        if let Some(existing) = self.claims.find(entry.source_id(), entry.key(), now_us) {
             if existing.phase == Phase::Committed && entry.phase != Phase::Committed {
                 return;
             }
         }
-        self.claims.insert(key, entry);
+        self.claims.insert(entry);
     }
 
     pub fn from_snapshot(snapshot: TenantSnapshot, now_us: u64) -> Self {
         let mut state = Self::default();
         state.absorb(snapshot, now_us);
         state
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bucket(kind: Kind, tat_us: u64) -> BucketRecord {
+        BucketRecord { kind, tat_us }
+    }
+
+    #[test]
+    fn buckets_keep_charge_order_and_one_record_per_kind() {
+        let mut buckets = Buckets::default();
+        assert!(buckets.is_empty());
+        buckets.push(bucket(Kind::Bytes, 1));
+        buckets.push(bucket(Kind::Hooks, 2));
+        assert_eq!(&*buckets, &[bucket(Kind::Bytes, 1), bucket(Kind::Hooks, 2)]);
+        // Never more than one per kind, and never past the inline capacity.
+        buckets.push(bucket(Kind::Bytes, 3));
+        let seen: Vec<_> = (&buckets).into_iter().copied().collect();
+        assert_eq!(seen, [bucket(Kind::Bytes, 3), bucket(Kind::Hooks, 2)]);
+        assert_eq!(format!("{buckets:?}"), format!("{seen:?}"));
+    }
+
+    #[test]
+    fn buckets_compare_by_what_they_hold() {
+        let mut a = Buckets::default();
+        a.push(bucket(Kind::Hooks, 5));
+        let b: Buckets = [bucket(Kind::Hooks, 5)].into_iter().collect();
+        assert_eq!(a, b);
+        assert_ne!(a, Buckets::default());
     }
 }

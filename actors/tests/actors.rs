@@ -142,7 +142,7 @@ async fn export(shard: &ActorRef<ShardMsg>) -> Vec<TenantSnapshot> {
         Ok(CallResult::Success(mut snaps)) => {
             snaps.sort_by(|a, b| a.tenant.cmp(&b.tenant));
             for snap in &mut snaps {
-                snap.claims.sort_by(|a, b| a.key.cmp(&b.key));
+                snap.claims.sort_by(|a, b| a.key().cmp(b.key()));
             }
             snaps
         }
@@ -254,7 +254,7 @@ async fn many_tenants_are_routed_to_their_own_state() {
     assert_eq!(snaps.len(), 200);
     for snap in snaps {
         assert_eq!(snap.claims.len(), 1);
-        assert_eq!(snap.claims[0].hook_id, format!("hook-{}", snap.tenant));
+        assert_eq!(snap.claims[0].hook_id(), format!("hook-{}", snap.tenant));
     }
 }
 
@@ -493,14 +493,14 @@ async fn export_hands_off_to_a_fresh_shard_that_answers_the_same() {
     let parked_commit = TenantSnapshot {
         tenant: "parked".into(),
         buckets: vec![],
-        claims: vec![ankusa_actors::ClaimRecord {
-            source_id: "stripe".into(),
-            key: "evt-9".into(),
-            hook_id: "hook-9".into(),
-            node: None,
-            committed: true,
-            expires_us: T0 + 60_000 * MS,
-        }],
+        claims: vec![ankusa_actors::ClaimRecord::new(
+            "stripe",
+            "evt-9",
+            "hook-9",
+            None,
+            true,
+            T0 + 60_000 * MS,
+        )],
     };
     let old = spawn_shard(config(&clock, 60_000, 60_000), vec![parked_commit], None)
         .await

@@ -293,7 +293,7 @@ fn claim_for(limits: &Limits, key: usize, hook: usize) -> Claim {
 /// A snapshot with its claims in a fixed order, so two of the same state compare equal.
 fn canonical(state: &TenantState, now: u64) -> TenantSnapshot {
     let mut snap = state.snapshot(TENANT, now);
-    snap.claims.sort_by(|a, b| a.key.cmp(&b.key));
+    snap.claims.sort_by(|a, b| a.key().cmp(b.key()));
     snap
 }
 

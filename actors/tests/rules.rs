@@ -298,14 +298,14 @@ fn first_claim_is_pending_and_reported_with_its_expiry() {
     assert_eq!(applied.outcome, HitOutcome::Ok);
     assert_eq!(
         applied.changes.claim,
-        Some(ClaimChange::Put(ClaimRecord {
-            source_id: c.source_id.clone(),
-            key: c.key.clone(),
-            hook_id: c.hook_id.clone(),
-            node: Some(c.node.clone()),
-            committed: false,
-            expires_us: T0 + c.pending_ttl_ms * 1_000,
-        }))
+        Some(ClaimChange::Put(ClaimRecord::new(
+            &c.source_id,
+            &c.key,
+            &c.hook_id,
+            Some(&c.node),
+            false,
+            T0 + c.pending_ttl_ms * 1_000,
+        )))
     );
     assert_eq!(applied.changes.buckets.len(), 2);
 }
@@ -445,14 +445,14 @@ fn commit_makes_the_claim_committed_for_ttl() {
     assert_eq!(applied.outcome, SettleOutcome::Ok);
     assert_eq!(
         applied.changes.claim,
-        Some(ClaimChange::Put(ClaimRecord {
-            source_id: c.source_id.clone(),
-            key: c.key.clone(),
-            hook_id: c.hook_id.clone(),
-            node: None,
-            committed: true,
-            expires_us: t + c.ttl_ms * 1_000,
-        }))
+        Some(ClaimChange::Put(ClaimRecord::new(
+            &c.source_id,
+            &c.key,
+            &c.hook_id,
+            None,
+            true,
+            t + c.ttl_ms * 1_000,
+        )))
     );
     assert!(applied.changes.buckets.is_empty());
 }
@@ -724,7 +724,7 @@ fn snapshot_round_trip_keeps_every_rule() {
 
     let mut restored = TenantState::from_snapshot(snap.clone(), T0);
     let sorted = |mut s: TenantSnapshot| {
-        s.claims.sort_by(|a, b| a.key.cmp(&b.key));
+        s.claims.sort_by(|a, b| a.key().cmp(b.key()));
         s
     };
     assert_eq!(sorted(restored.snapshot(TENANT, T0)), sorted(snap));
@@ -784,14 +784,7 @@ fn absorb_skips_expired_records_and_keeps_the_later_tat() {
                 tat_us: T0 + 7_000,
             },
         ],
-        claims: vec![ClaimRecord {
-            source_id: "stripe".into(),
-            key: "old".into(),
-            hook_id: "hook-0".into(),
-            node: None,
-            committed: true,
-            expires_us: T0,
-        }],
+        claims: vec![ClaimRecord::new("stripe", "old", "hook-0", None, true, T0)],
     };
     state.absorb(snap, T0);
     assert_eq!(
@@ -808,14 +801,14 @@ fn absorb_never_lets_pending_replace_committed() {
     let c = claim("evt-1", "hook-1");
     let mut state = pending(&c);
     state.settle(T0, &settle(c.clone(), Settlement::Commit));
-    let stale_pending = ClaimRecord {
-        source_id: c.source_id.clone(),
-        key: c.key.clone(),
-        hook_id: "hook-9".into(),
-        node: Some("node-b".into()),
-        committed: false,
-        expires_us: T0 + 3_000_000,
-    };
+    let stale_pending = ClaimRecord::new(
+        &c.source_id,
+        &c.key,
+        "hook-9",
+        Some("node-b"),
+        false,
+        T0 + 3_000_000,
+    );
     state.absorb_claim(stale_pending.clone(), T0);
     state.absorb(
         TenantSnapshot {
@@ -840,14 +833,7 @@ fn absorb_lets_commit_replace_pending() {
     let c = claim("evt-1", "hook-1");
     let mut state = pending(&c);
     state.absorb_claim(
-        ClaimRecord {
-            source_id: c.source_id.clone(),
-            key: c.key.clone(),
-            hook_id: "hook-1".into(),
-            node: None,
-            committed: true,
-            expires_us: T0 + 60_000_000,
-        },
+        ClaimRecord::new(&c.source_id, &c.key, "hook-1", None, true, T0 + 60_000_000),
         T0,
     );
     assert_eq!(
@@ -1122,8 +1108,8 @@ fn odd_but_short_text_is_accepted_and_works() {
             SettleOutcome::Ok
         );
         let snap = state.snapshot(value, T0);
-        assert_eq!(snap.claims[0].source_id, value);
-        assert_eq!(snap.claims[0].key, value);
+        assert_eq!(snap.claims[0].source_id(), value);
+        assert_eq!(snap.claims[0].key(), value);
     }
 }
 

@@ -117,7 +117,7 @@ impl Replay {
         match change {
             ClaimChange::Put(record) => {
                 let claims = self.tenants.entry(tenant).or_default();
-                let slot = (record.source_id.clone(), record.key.clone());
+                let slot = (record.source_id().to_owned(), record.key().to_owned());
                 // A pending claim never replaces a live commit.
                 let holds_commit = claims
                     .get(&slot)
@@ -138,7 +138,7 @@ impl Replay {
                 let slot = (source_id, key);
                 if claims
                     .get(&slot)
-                    .is_some_and(|held| !held.committed && held.hook_id == hook_id)
+                    .is_some_and(|held| !held.committed && held.hook_id() == hook_id)
                 {
                     claims.remove(&slot);
                 }
@@ -171,14 +171,14 @@ mod tests {
     const NOW: u64 = 1_000_000_000;
 
     fn record(key: &str, hook: &str, committed: bool, expires_us: u64) -> ClaimRecord {
-        ClaimRecord {
-            source_id: "src".into(),
-            key: key.into(),
-            hook_id: hook.into(),
-            node: (!committed).then(|| "n1".to_string()),
+        ClaimRecord::new(
+            "src",
+            key,
+            hook,
+            (!committed).then_some("n1"),
             committed,
             expires_us,
-        }
+        )
     }
 
     fn put(key: &str, hook: &str, committed: bool, expires_us: u64) -> ClaimChange {
@@ -203,7 +203,7 @@ mod tests {
             .apply_message("l.0.w.1", &payload, NOW)
             .expect("decodes");
         let mut claims: Vec<ClaimRecord> = replay.finish(NOW).flat_map(|t| t.claims).collect();
-        claims.sort_by(|a, b| a.key.cmp(&b.key));
+        claims.sort_by(|a, b| a.key().cmp(b.key()));
         claims
     }
 

@@ -247,7 +247,7 @@ impl LocalStore {
             .state
             .claims()
             .live(&ClaimKey::new(source_id, key), now)
-            .is_some_and(|e| by(&e.hook_id))
+            .is_some_and(|e| by(e.hook_id()))
     }
 
     /// Sweeps every shard now (for a periodic tick); returns the claims dropped.

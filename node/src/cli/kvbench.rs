@@ -97,14 +97,14 @@ async fn delete_buckets(client: &async_nats::Client, instance: &str) {
 }
 
 fn committed(i: u64, expires_us: u64) -> ClaimRecord {
-    ClaimRecord {
-        source_id: "bench".into(),
-        key: format!("evt-{i:010}"),
-        hook_id: format!("hook-{i:010}"),
-        node: None,
-        committed: true,
+    ClaimRecord::new(
+        "bench",
+        &format!("evt-{i:010}"),
+        &format!("hook-{i:010}"),
+        None,
+        true,
         expires_us,
-    }
+    )
 }
 
 /// Writes `count` claims of `shard` through `writer`, `concurrency` at a time.
@@ -125,7 +125,7 @@ async fn write_claims(
                 let tenant = format!("t{}", i % tenants.max(1));
                 let changes = Changes {
                     claim: Some(ClaimChange::Put(committed(i, expires_us))),
-                    buckets: Vec::new(),
+                    buckets: Default::default(),
                 };
                 writer.record(shard, &tenant, &changes).await.is_ok()
             }
@@ -203,7 +203,7 @@ async fn durable_in(scratch: &Scratch, args: &DurableArgs) -> Result<DurableRepo
     while puts < args.sequential_max && start.elapsed() < limit {
         let i = 10_000_000 + puts;
         let record = committed(i, expires_us);
-        let key = claim_key(0, "seq", &record.source_id, &record.key);
+        let key = claim_key(0, "seq", record.source_id(), record.key());
         let value = rmp_serde::to_vec_named(&StoredClaim {
             tenant: "seq".into(),
             claim: record,

@@ -325,7 +325,7 @@ pub async fn seed_parked(global: &Global, args: &SeedArgs) -> Result<(), CliErro
             let tenant = format!("idle{run}-{i}");
             let changes = Changes {
                 claim: None,
-                buckets: vec![
+                buckets: [
                     BucketRecord {
                         kind: Kind::Hooks,
                         tat_us,
@@ -334,7 +334,9 @@ pub async fn seed_parked(global: &Global, args: &SeedArgs) -> Result<(), CliErro
                         kind: Kind::Bytes,
                         tat_us,
                     },
-                ],
+                ]
+                .into_iter()
+                .collect(),
             };
             let shard = ankusa_bus::shard_of(&tenant, global.shards);
             writer
