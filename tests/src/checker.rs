@@ -290,7 +290,7 @@ impl Report {
             .attributed
             .iter()
             .partition(|a| a.why != Attribution::Local);
-        for a in in_faults.iter().take(10) {
+        let summary = |out: &mut String, a: &AttributedConflict| {
             let _ = writeln!(
                 out,
                 "  {:?}: holder {} {:?} then {} got Ok for {:?} at {:.1} s",
@@ -301,6 +301,9 @@ impl Report {
                 a.second.hook_id(),
                 ms(a.second.invoked) / 1000.0
             );
+        };
+        for a in in_faults.iter().take(10) {
+            summary(&mut out, a);
             let _ = writeln!(out, "      holder: {:?}", a.holder);
             let _ = writeln!(out, "      second: {:?}", a.second);
         }
@@ -308,16 +311,7 @@ impl Report {
             .iter()
             .take(10usize.saturating_sub(in_faults.len()))
         {
-            let _ = writeln!(
-                out,
-                "  {:?}: holder {} {:?} then {} got Ok for {:?} at {:.1} s",
-                a.why,
-                a.holder.client,
-                a.holder.hook_id(),
-                a.second.client,
-                a.second.hook_id(),
-                ms(a.second.invoked) / 1000.0
-            );
+            summary(&mut out, a);
         }
         let _ = writeln!(out, "violations: {}", self.violations.len());
         for v in self.violations.iter().take(20) {
