@@ -1,17 +1,22 @@
 //! The claim log: how a shard's claim changes are stored, many to a message, and
 //! read back.
 //!
-//! Claims are not one KV key each. A node writes the claim changes of a shard as
-//! a log: each message holds every change made since the shard's last message was
-//! acknowledged (a group commit), under a KV key of its own,
-//! `l.<shard>.<writer>.<seq>`, with a TTL as long as its longest-lived change.
+//! Claims are not one KV key each. A node writes claim changes as a log, one
+//! per group of [`SHARDS_PER_LOG`] consecutive shards: each message holds every
+//! change the node made to the group's shards since its last message to that
+//! log was acknowledged (a group commit), under a KV key of its own,
+//! `l.<log>.<writer>.<seq>`, with a TTL as long as its longest-lived change.
 //! A burst of hits is then a handful of stored messages, not one each, which is
 //! what JetStream's per-message cost makes the limit of a node's throughput.
+//! Sharing a log among a few shards makes the messages fuller (a shard alone
+//! sees few changes at a time); a shard's load reads its group's log and keeps
+//! its own changes.
 //!
 //! The payload is a MessagePack array of [`LoggedChange`] maps
-//! (`{"tenant": .., "change": {"Put": ClaimRecord} | {"Delete": {..}}}`).
+//! (`{"tenant": .., "shard": .., "change": {"Put": ClaimRecord} | {"Delete": {..}}}`).
 //!
-//! [`Replay`] applies a shard's messages in stream order to rebuild its claims.
+//! [`Replay`] applies a log's messages in stream order to rebuild one shard's
+//! claims.
 //! Two rules make the replay safe against writes that land late (a paused node
 //! waking up with writes still in its socket):
 //! - a pending claim never replaces a live committed one;
@@ -28,6 +33,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::kv::KvError;
 
+/// Shards whose changes share a log: `log = shard / SHARDS_PER_LOG`. Part of
+/// the stored format: every node of an instance must agree on it.
+pub const SHARDS_PER_LOG: u32 = 8;
+
 /// Largest payload of one log message. Below the state bucket's value limit
 /// (64 KiB), so a batch is never refused for its size.
 pub const MAX_MESSAGE_BYTES: usize = 60 * 1024;
@@ -36,6 +45,7 @@ pub const MAX_MESSAGE_BYTES: usize = 60 * 1024;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LoggedChange {
     pub tenant: String,
+    pub shard: u32,
     pub change: ClaimChange,
 }
 
@@ -44,6 +54,7 @@ pub struct LoggedChange {
 #[derive(Serialize)]
 struct LoggedChangeRef<'a> {
     tenant: &'a str,
+    shard: u32,
     change: &'a ClaimChange,
 }
 
@@ -55,14 +66,18 @@ pub struct EncodedChange {
 }
 
 impl EncodedChange {
-    pub fn new(tenant: &str, change: &ClaimChange) -> Self {
+    pub fn new(shard: u32, tenant: &str, change: &ClaimChange) -> Self {
         let keep_until_us = match change {
             ClaimChange::Put(record) => record.expires_us,
             // The release must outlive the pending claim it cancels.
             ClaimChange::Delete { expires_us, .. } => *expires_us,
         };
-        let bytes =
-            rmp_serde::to_vec_named(&LoggedChangeRef { tenant, change }).unwrap_or_default();
+        let bytes = rmp_serde::to_vec_named(&LoggedChangeRef {
+            tenant,
+            shard,
+            change,
+        })
+        .unwrap_or_default();
         Self {
             bytes,
             keep_until_us,
@@ -70,14 +85,19 @@ impl EncodedChange {
     }
 }
 
-/// The KV key of a log message: unique per writer and sequence number.
-pub fn log_key(shard: u32, writer: &str, seq: u64) -> String {
-    format!("l.{shard}.{writer}.{seq}")
+/// The log a shard's changes go to.
+pub fn log_of(shard: u32) -> u32 {
+    shard / SHARDS_PER_LOG
 }
 
-/// The KV key filter of a shard's log.
+/// The KV key of a log message: unique per writer and sequence number.
+pub fn log_key(log: u32, writer: &str, seq: u64) -> String {
+    format!("l.{log}.{writer}.{seq}")
+}
+
+/// The KV key filter of the log holding `shard`'s changes.
 pub fn log_filter(shard: u32) -> String {
-    format!("l.{shard}.>")
+    format!("l.{}.>", log_of(shard))
 }
 
 /// Frames encoded changes as one message payload (a MessagePack array).
@@ -92,21 +112,31 @@ pub fn frame<'a>(changes: impl ExactSizeIterator<Item = &'a [u8]>) -> Bytes {
 }
 
 /// A shard's claims, rebuilt change by change in log order.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Replay {
+    shard: u32,
     /// Per tenant, per (source_id, key): the claim as of the last change applied.
     tenants: HashMap<String, HashMap<(String, String), ClaimRecord>>,
 }
 
 impl Replay {
-    /// Applies every change of one log message. `key` names it in errors.
+    pub fn new(shard: u32) -> Self {
+        Self {
+            shard,
+            tenants: HashMap::new(),
+        }
+    }
+
+    /// Applies every change of one log message that belongs to this shard.
+    /// `key` names the message in errors.
     pub fn apply_message(&mut self, key: &str, payload: &[u8], now_us: u64) -> Result<(), KvError> {
         let changes: Vec<LoggedChange> =
             rmp_serde::from_slice(payload).map_err(|e| KvError::Corrupt {
                 key: key.to_string(),
                 reason: e.to_string(),
             })?;
-        for logged in changes {
+        let shard = self.shard;
+        for logged in changes.into_iter().filter(|c| c.shard == shard) {
             self.apply(logged.tenant, logged.change, now_us);
         }
         Ok(())
@@ -195,10 +225,14 @@ mod tests {
     }
 
     fn replay(changes: Vec<ClaimChange>) -> Vec<ClaimRecord> {
-        let encoded: Vec<EncodedChange> =
-            changes.iter().map(|c| EncodedChange::new("t", c)).collect();
+        let mut encoded: Vec<EncodedChange> = changes
+            .iter()
+            .map(|c| EncodedChange::new(3, "t", c))
+            .collect();
+        // Another shard of the same log: left out of shard 3's replay.
+        encoded.push(EncodedChange::new(4, "t", &put("z", "h9", true, NOW + 50)));
         let payload = frame(encoded.iter().map(|e| e.bytes.as_slice()));
-        let mut replay = Replay::default();
+        let mut replay = Replay::new(3);
         replay
             .apply_message("l.0.w.1", &payload, NOW)
             .expect("decodes");
@@ -266,20 +300,28 @@ mod tests {
     }
 
     #[test]
+    fn eight_consecutive_shards_share_a_log() {
+        assert_eq!((0..8).map(log_of).collect::<Vec<_>>(), vec![0; 8]);
+        assert_eq!(log_of(8), 1);
+        assert_eq!(log_filter(13), "l.1.>");
+        assert_eq!(log_key(1, "w", 7), "l.1.w.7");
+    }
+
+    #[test]
     fn a_change_is_kept_as_long_as_the_claim_it_writes_or_cancels() {
         assert_eq!(
-            EncodedChange::new("t", &put("a", "h", true, NOW + 7)).keep_until_us,
+            EncodedChange::new(0, "t", &put("a", "h", true, NOW + 7)).keep_until_us,
             NOW + 7
         );
         assert_eq!(
-            EncodedChange::new("t", &delete("a", "h")).keep_until_us,
+            EncodedChange::new(0, "t", &delete("a", "h")).keep_until_us,
             NOW + 10
         );
     }
 
     #[test]
     fn an_unreadable_message_is_a_typed_error() {
-        let mut replay = Replay::default();
+        let mut replay = Replay::new(0);
         for payload in [&b"\xc1"[..], b"", b"\x91\x01"] {
             assert!(matches!(
                 replay.apply_message("l.0.w.2", payload, NOW),
@@ -291,13 +333,16 @@ mod tests {
     #[test]
     fn framing_matches_a_serialized_vec() {
         let changes = [put("a", "h1", false, NOW + 5), delete("a", "h1")];
-        let encoded: Vec<EncodedChange> =
-            changes.iter().map(|c| EncodedChange::new("t", c)).collect();
+        let encoded: Vec<EncodedChange> = changes
+            .iter()
+            .map(|c| EncodedChange::new(1, "t", c))
+            .collect();
         let framed = frame(encoded.iter().map(|e| e.bytes.as_slice()));
         let owned: Vec<LoggedChange> = changes
             .iter()
             .map(|c| LoggedChange {
                 tenant: "t".into(),
+                shard: 1,
                 change: c.clone(),
             })
             .collect();

@@ -5,15 +5,15 @@
 //!
 //! | bucket | key | value | TTL |
 //! |---|---|---|---|
-//! | `ankusa_<instance>_state` | `l.<shard>.<writer>.<seq>` | a message of the shard's claim log ([`claimlog`]) | until its longest-lived change expires |
+//! | `ankusa_<instance>_state` | `l.<log>.<writer>.<seq>` | a message of a claim log, `log = shard / 8` ([`claimlog`]) | until its longest-lived change expires |
 //! | | `b.<shard>.<h128(tenant)>` | [`StoredBuckets`] | until every bucket is full |
 //! | | `c.<shard>.<h128(tenant,source_id,key)>` | [`StoredClaim`] (written before the log; still read) | until the claim expires |
 //! | `ankusa_<instance>_leases` | `s.<shard>` | [`LeaseValue`] | the lease TTL |
 //! | `ankusa_<instance>_nodes` | `<node_id>` | [`Heartbeat`] | the lease TTL |
 //!
 //! Tenants and keys never appear in a KV key in clear: any bytes are safe.
-//! Claims go through [`KvWriter`], a group commit: each shard's claim changes
-//! queue while its last log message is in flight and leave together as the
+//! Claims go through [`KvWriter`], a group commit: the claim changes of each
+//! log queue while its last message is in flight and leave together as the
 //! next one, so a burst of hits costs a handful of stored messages, not one
 //! each. A caller is answered only once the message holding its change is
 //! acknowledged. Bucket TATs are written behind, coalesced to at most one write
@@ -424,7 +424,7 @@ impl FleetKv {
             return Ok(Vec::new());
         }
         let now_us = now_unix_us();
-        let mut claims = Replay::default();
+        let mut claims = Replay::new(shard);
         let mut buckets: HashMap<String, Vec<BucketRecord>> = HashMap::new();
         let mut messages = consumer.messages().await.map_err(request_err)?;
         while let Some(message) = messages.next().await {
@@ -559,7 +559,7 @@ impl KvWriter {
             tx,
             dirty: Mutex::new(HashMap::new()),
         });
-        let logs = ShardLogs::new(kv.state_bucket.clone());
+        let logs = ClaimLogs::new(kv.state_bucket.clone());
         tokio::spawn(commit_loop(kv.js.clone(), logs, rx));
         let flusher = Arc::downgrade(&writer);
         tokio::spawn(async move {
@@ -606,7 +606,7 @@ impl KvWriter {
             return Ok(());
         };
         // Encoded here, on the caller's task, so the commit loop only frames bytes.
-        let change = EncodedChange::new(tenant, change);
+        let change = EncodedChange::new(shard, tenant, change);
         self.submit(|done| Submitted::Claim {
             shard,
             change,
@@ -690,25 +690,25 @@ fn bucket_index(bucket: &BucketRecord) -> usize {
     }
 }
 
-/// The claim logs of the shards this writer has written: what waits to go out,
-/// and whether a message is in flight.
-struct ShardLogs {
+/// The claim logs this writer has written to: what waits to go out, and
+/// whether a message is in flight.
+struct ClaimLogs {
     bucket: String,
     /// Makes this writer's log keys unique among every writer, past and present.
     writer: String,
     seq: u64,
-    shards: HashMap<u32, ShardLog>,
+    logs: HashMap<u32, ClaimLog>,
 }
 
 #[derive(Default)]
-struct ShardLog {
+struct ClaimLog {
     queue: Vec<(EncodedChange, Done)>,
-    /// One message per shard in flight keeps the log in the order the changes
-    /// were made.
+    /// One message per log in flight keeps it in the order the changes were
+    /// made.
     in_flight: bool,
 }
 
-impl ShardLogs {
+impl ClaimLogs {
     fn new(bucket: String) -> Self {
         // Two log messages under one key would be one too many: the bucket keeps
         // only the last. Process, start time and a per-process count keep every
@@ -725,14 +725,14 @@ impl ShardLogs {
             bucket,
             writer,
             seq: 0,
-            shards: HashMap::new(),
+            logs: HashMap::new(),
         }
     }
 
-    /// Takes the next message of `shard` (its queued changes, up to the size
+    /// Takes the next message of log `id` (its queued changes, up to the size
     /// limit), unless one is in flight or nothing waits.
-    fn next_message(&mut self, shard: u32) -> Option<(Write, Vec<Done>)> {
-        let log = self.shards.get_mut(&shard)?;
+    fn next_message(&mut self, id: u32) -> Option<(Write, Vec<Done>)> {
+        let log = self.logs.get_mut(&id)?;
         if log.in_flight || log.queue.is_empty() {
             return None;
         }
@@ -758,7 +758,7 @@ impl ShardLogs {
         metrics::histogram!("ankusa_claim_log_batch").record(batch.len() as f64);
         let write = Write::put(
             &self.bucket,
-            &claimlog::log_key(shard, &self.writer, self.seq),
+            &claimlog::log_key(id, &self.writer, self.seq),
             payload,
             ttl_secs_until(keep_until, now_unix_us()),
         );
@@ -767,12 +767,12 @@ impl ShardLogs {
 }
 
 /// Publishes writes as they come and completes each once its ack is in; many
-/// acks are awaited at once. Claim changes are grouped per shard: while a
-/// shard's log message is in flight, its next changes queue up and leave
-/// together when it is acknowledged.
+/// acks are awaited at once. Claim changes are grouped per log: while a
+/// log's message is in flight, its next changes queue up and leave together
+/// when it is acknowledged.
 async fn commit_loop(
     js: jetstream::Context,
-    mut logs: ShardLogs,
+    mut logs: ClaimLogs,
     mut rx: mpsc::Receiver<Submitted>,
 ) {
     let mut acks = FuturesUnordered::new();
@@ -790,9 +790,10 @@ async fn commit_loop(
                 while let Some(submitted) = next.take() {
                     match submitted {
                         Submitted::Claim { shard, change, done } => {
-                            logs.shards.entry(shard).or_default().queue.push((change, done));
-                            if !ready.contains(&shard) {
-                                ready.push(shard);
+                            let id = claimlog::log_of(shard);
+                            logs.logs.entry(id).or_default().queue.push((change, done));
+                            if !ready.contains(&id) {
+                                ready.push(id);
                             }
                         }
                         Submitted::Write { write, done } => {
@@ -804,21 +805,21 @@ async fn commit_loop(
                         next = rx.try_recv().ok();
                     }
                 }
-                for shard in ready {
-                    if let Some((write, waiters)) = logs.next_message(shard) {
-                        let acked = publish(&js, write, waiters, Some(shard)).await;
+                for id in ready {
+                    if let Some((write, waiters)) = logs.next_message(id) {
+                        let acked = publish(&js, write, waiters, Some(id)).await;
                         acks.push(acked);
                     }
                 }
                 metrics::gauge!("ankusa_kv_writes_in_flight").set(acks.len() as f64);
             }
             Some(acked) = acks.next(), if !acks.is_empty() => {
-                if let Some(shard) = acked {
-                    if let Some(log) = logs.shards.get_mut(&shard) {
+                if let Some(id) = acked {
+                    if let Some(log) = logs.logs.get_mut(&id) {
                         log.in_flight = false;
                     }
-                    if let Some((write, waiters)) = logs.next_message(shard) {
-                        let acked = publish(&js, write, waiters, Some(shard)).await;
+                    if let Some((write, waiters)) = logs.next_message(id) {
+                        let acked = publish(&js, write, waiters, Some(id)).await;
                         acks.push(acked);
                     }
                 }
@@ -829,12 +830,12 @@ async fn commit_loop(
 }
 
 /// Publishes one write; the future it returns completes the waiters once the
-/// ack is in, and yields the shard whose log message it was.
+/// ack is in, and yields the log whose message it was.
 async fn publish(
     js: &jetstream::Context,
     write: Write,
     waiters: Vec<Done>,
-    shard: Option<u32>,
+    log: Option<u32>,
 ) -> BoxFuture<'static, Option<u32>> {
     let published = js
         .publish_with_headers(write.subject, write.headers, write.payload)
@@ -855,7 +856,7 @@ async fn publish(
         for done in waiters {
             let _ = done.send(result.clone());
         }
-        shard
+        log
     }
     .boxed()
 }
