@@ -12,11 +12,13 @@
 //! sees few changes at a time); a shard's load reads its group's log and keeps
 //! its own changes.
 //!
-//! The payload is a MessagePack array of [`LoggedChange`] maps
-//! (`{"tenant": .., "shard": .., "change": {"Put": ClaimRecord} | {"Delete": {..}}}`).
+//! The payload is a MessagePack array of [`LoggedChange`] maps: `{"tenant": ..,
+//! "shard": .., "change": {"Put": ClaimRecord} | {"Delete": {..}}}` for a claim
+//! change, `{"tenant": .., "shard": .., "buckets": [BucketRecord, ..]}` for the
+//! bucket TATs a node writes behind (a TAT of 0 is a reset).
 //!
 //! [`Replay`] applies a log's messages in stream order to rebuild one shard's
-//! claims.
+//! claims and buckets. A bucket's last record wins.
 //! Two rules make the replay safe against writes that land late (a paused node
 //! waking up with writes still in its socket):
 //! - a pending claim never replaces a live committed one;
@@ -27,7 +29,7 @@
 
 use std::collections::HashMap;
 
-use ankusa_actors::{ClaimChange, ClaimRecord, TenantSnapshot};
+use ankusa_actors::{BucketRecord, ClaimChange, ClaimRecord, Kind, TenantSnapshot};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
@@ -41,12 +43,23 @@ pub const SHARDS_PER_LOG: u32 = 8;
 /// (64 KiB), so a batch is never refused for its size.
 pub const MAX_MESSAGE_BYTES: usize = 60 * 1024;
 
-/// One claim change of a tenant, as the log stores it.
+/// How long the log keeps a reset. A reset's record must outlive the TATs it
+/// cancels, which the writer does not know; a day covers any bucket whose
+/// capacity (burst window) is under a day. A longer one may see its pre-reset
+/// TAT again after a failover more than a day after the reset: a reset is best
+/// effort by the contract.
+pub const RESET_KEEP_US: u64 = 24 * 3600 * 1_000_000;
+
+/// One change of a tenant, as the log stores it: a claim change or the
+/// tenant's bucket TATs.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LoggedChange {
     pub tenant: String,
     pub shard: u32,
-    pub change: ClaimChange,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub change: Option<ClaimChange>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub buckets: Vec<BucketRecord>,
 }
 
 /// The borrowed twin of [`LoggedChange`]: the same bytes, without copying the
@@ -55,7 +68,10 @@ pub struct LoggedChange {
 struct LoggedChangeRef<'a> {
     tenant: &'a str,
     shard: u32,
-    change: &'a ClaimChange,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    change: Option<&'a ClaimChange>,
+    #[serde(skip_serializing_if = "<[BucketRecord]>::is_empty")]
+    buckets: &'a [BucketRecord],
 }
 
 /// One change, encoded, and until when the log must keep it (unix µs).
@@ -66,20 +82,49 @@ pub struct EncodedChange {
 }
 
 impl EncodedChange {
-    pub fn new(shard: u32, tenant: &str, change: &ClaimChange) -> Self {
+    /// A claim change, kept as long as the claim it writes or cancels.
+    pub fn claim(shard: u32, tenant: &str, change: &ClaimChange) -> Self {
         let keep_until_us = match change {
             ClaimChange::Put(record) => record.expires_us,
             // The release must outlive the pending claim it cancels.
             ClaimChange::Delete { expires_us, .. } => *expires_us,
         };
-        let bytes = rmp_serde::to_vec_named(&LoggedChangeRef {
-            tenant,
-            shard,
-            change,
-        })
-        .unwrap_or_default();
+        Self::encode(
+            &LoggedChangeRef {
+                tenant,
+                shard,
+                change: Some(change),
+                buckets: &[],
+            },
+            keep_until_us,
+        )
+    }
+
+    /// A tenant's bucket TATs, each kept until its bucket is full again; a
+    /// reset (TAT 0) for [`RESET_KEEP_US`] from `now_us`.
+    pub fn buckets(shard: u32, tenant: &str, buckets: &[BucketRecord], now_us: u64) -> Self {
+        let keep_until_us = buckets
+            .iter()
+            .map(|b| match b.tat_us {
+                0 => now_us.saturating_add(RESET_KEEP_US),
+                tat => tat,
+            })
+            .max()
+            .unwrap_or(now_us);
+        Self::encode(
+            &LoggedChangeRef {
+                tenant,
+                shard,
+                change: None,
+                buckets,
+            },
+            keep_until_us,
+        )
+    }
+
+    fn encode(entry: &LoggedChangeRef<'_>, keep_until_us: u64) -> Self {
         Self {
-            bytes,
+            bytes: rmp_serde::to_vec_named(entry).unwrap_or_default(),
             keep_until_us,
         }
     }
@@ -111,12 +156,14 @@ pub fn frame<'a>(changes: impl ExactSizeIterator<Item = &'a [u8]>) -> Bytes {
     Bytes::from(payload)
 }
 
-/// A shard's claims, rebuilt change by change in log order.
+/// A shard's claims and buckets, rebuilt change by change in log order.
 #[derive(Debug)]
 pub struct Replay {
     shard: u32,
     /// Per tenant, per (source_id, key): the claim as of the last change applied.
     tenants: HashMap<String, HashMap<(String, String), ClaimRecord>>,
+    /// Per tenant, per bucket kind: the last TAT recorded.
+    buckets: HashMap<String, [Option<u64>; 2]>,
 }
 
 impl Replay {
@@ -124,6 +171,7 @@ impl Replay {
         Self {
             shard,
             tenants: HashMap::new(),
+            buckets: HashMap::new(),
         }
     }
 
@@ -137,9 +185,25 @@ impl Replay {
             })?;
         let shard = self.shard;
         for logged in changes.into_iter().filter(|c| c.shard == shard) {
-            self.apply(logged.tenant, logged.change, now_us);
+            if !logged.buckets.is_empty() {
+                self.apply_buckets(&logged.tenant, &logged.buckets);
+            }
+            if let Some(change) = logged.change {
+                self.apply(logged.tenant, change, now_us);
+            }
         }
         Ok(())
+    }
+
+    /// Records a tenant's bucket TATs; the last record of a bucket wins.
+    pub fn apply_buckets(&mut self, tenant: &str, buckets: &[BucketRecord]) {
+        let tats = match self.buckets.get_mut(tenant) {
+            Some(tats) => tats,
+            None => self.buckets.entry(tenant.to_owned()).or_default(),
+        };
+        for bucket in buckets {
+            tats[kind_index(bucket.kind)] = Some(bucket.tat_us);
+        }
     }
 
     /// Applies one change, by the two rules in the module doc.
@@ -176,22 +240,55 @@ impl Replay {
         }
     }
 
-    /// The live claims, per tenant, as snapshots without buckets.
-    pub fn finish(self, now_us: u64) -> impl Iterator<Item = TenantSnapshot> {
-        self.tenants
-            .into_iter()
-            .filter_map(move |(tenant, claims)| {
-                let claims: Vec<ClaimRecord> = claims
-                    .into_values()
-                    .filter(|c| c.expires_us > now_us)
-                    .collect();
-                (!claims.is_empty()).then(|| TenantSnapshot {
+    /// The live state, per tenant: claims not expired, buckets not full.
+    pub fn finish(mut self, now_us: u64) -> Vec<TenantSnapshot> {
+        let mut snapshots = Vec::with_capacity(self.tenants.len());
+        for (tenant, claims) in self.tenants {
+            let buckets = self
+                .buckets
+                .remove(&tenant)
+                .map(|tats| live_buckets(tats, now_us))
+                .unwrap_or_default();
+            let claims: Vec<ClaimRecord> = claims
+                .into_values()
+                .filter(|c| c.expires_us > now_us)
+                .collect();
+            snapshots.push(TenantSnapshot {
+                tenant,
+                buckets,
+                claims,
+            });
+        }
+        snapshots.extend(
+            self.buckets
+                .into_iter()
+                .map(|(tenant, tats)| TenantSnapshot {
                     tenant,
-                    buckets: Vec::new(),
-                    claims,
-                })
-            })
+                    buckets: live_buckets(tats, now_us),
+                    claims: Vec::new(),
+                }),
+        );
+        snapshots.retain(|s| !s.claims.is_empty() || !s.buckets.is_empty());
+        snapshots
     }
+}
+
+pub(crate) fn kind_index(kind: Kind) -> usize {
+    match kind {
+        Kind::Hooks => 0,
+        Kind::Bytes => 1,
+    }
+}
+
+fn live_buckets(tats: [Option<u64>; 2], now_us: u64) -> Vec<BucketRecord> {
+    Kind::ALL
+        .iter()
+        .zip(tats)
+        .filter_map(|(&kind, tat)| {
+            tat.filter(|&t| t > now_us)
+                .map(|tat_us| BucketRecord { kind, tat_us })
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -227,16 +324,24 @@ mod tests {
     fn replay(changes: Vec<ClaimChange>) -> Vec<ClaimRecord> {
         let mut encoded: Vec<EncodedChange> = changes
             .iter()
-            .map(|c| EncodedChange::new(3, "t", c))
+            .map(|c| EncodedChange::claim(3, "t", c))
             .collect();
         // Another shard of the same log: left out of shard 3's replay.
-        encoded.push(EncodedChange::new(4, "t", &put("z", "h9", true, NOW + 50)));
+        encoded.push(EncodedChange::claim(
+            4,
+            "t",
+            &put("z", "h9", true, NOW + 50),
+        ));
         let payload = frame(encoded.iter().map(|e| e.bytes.as_slice()));
         let mut replay = Replay::new(3);
         replay
             .apply_message("l.0.w.1", &payload, NOW)
             .expect("decodes");
-        let mut claims: Vec<ClaimRecord> = replay.finish(NOW).flat_map(|t| t.claims).collect();
+        let mut claims: Vec<ClaimRecord> = replay
+            .finish(NOW)
+            .into_iter()
+            .flat_map(|t| t.claims)
+            .collect();
         claims.sort_by(|a, b| a.key().cmp(b.key()));
         claims
     }
@@ -299,6 +404,53 @@ mod tests {
         assert_eq!(claims, vec![record("a", "h2", false, NOW + 5)]);
     }
 
+    fn tats(kind: Kind, tat_us: u64) -> BucketRecord {
+        BucketRecord { kind, tat_us }
+    }
+
+    #[test]
+    fn the_last_bucket_record_wins_and_a_reset_is_kept_a_day() {
+        let entries = [
+            EncodedChange::buckets(
+                3,
+                "t",
+                &[tats(Kind::Hooks, NOW + 9), tats(Kind::Bytes, NOW + 9)],
+                NOW,
+            ),
+            EncodedChange::buckets(3, "t", &[tats(Kind::Hooks, NOW + 20)], NOW),
+            EncodedChange::buckets(3, "u", &[tats(Kind::Hooks, NOW + 30)], NOW),
+            // A reset of u's buckets, then a claim of a tenant with no buckets.
+            EncodedChange::buckets(3, "u", &[tats(Kind::Hooks, 0), tats(Kind::Bytes, 0)], NOW),
+            EncodedChange::claim(3, "v", &put("a", "h1", true, NOW + 5)),
+            // Another shard of the log.
+            EncodedChange::buckets(4, "t", &[tats(Kind::Hooks, NOW + 99)], NOW),
+        ];
+        assert_eq!(entries[0].keep_until_us, NOW + 9);
+        assert_eq!(entries[3].keep_until_us, NOW + RESET_KEEP_US);
+        let payload = frame(entries.iter().map(|e| e.bytes.as_slice()));
+        let mut replay = Replay::new(3);
+        replay
+            .apply_message("l.0.w.1", &payload, NOW)
+            .expect("decodes");
+        let mut snapshots = replay.finish(NOW);
+        snapshots.sort_by(|a, b| a.tenant.cmp(&b.tenant));
+        let got: Vec<(&str, Vec<BucketRecord>, usize)> = snapshots
+            .iter()
+            .map(|s| (s.tenant.as_str(), s.buckets.clone(), s.claims.len()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (
+                    "t",
+                    vec![tats(Kind::Hooks, NOW + 20), tats(Kind::Bytes, NOW + 9)],
+                    0
+                ),
+                ("v", vec![], 1),
+            ]
+        );
+    }
+
     #[test]
     fn eight_consecutive_shards_share_a_log() {
         assert_eq!((0..8).map(log_of).collect::<Vec<_>>(), vec![0; 8]);
@@ -310,11 +462,11 @@ mod tests {
     #[test]
     fn a_change_is_kept_as_long_as_the_claim_it_writes_or_cancels() {
         assert_eq!(
-            EncodedChange::new(0, "t", &put("a", "h", true, NOW + 7)).keep_until_us,
+            EncodedChange::claim(0, "t", &put("a", "h", true, NOW + 7)).keep_until_us,
             NOW + 7
         );
         assert_eq!(
-            EncodedChange::new(0, "t", &delete("a", "h")).keep_until_us,
+            EncodedChange::claim(0, "t", &delete("a", "h")).keep_until_us,
             NOW + 10
         );
     }
@@ -335,7 +487,7 @@ mod tests {
         let changes = [put("a", "h1", false, NOW + 5), delete("a", "h1")];
         let encoded: Vec<EncodedChange> = changes
             .iter()
-            .map(|c| EncodedChange::new(1, "t", c))
+            .map(|c| EncodedChange::claim(1, "t", c))
             .collect();
         let framed = frame(encoded.iter().map(|e| e.bytes.as_slice()));
         let owned: Vec<LoggedChange> = changes
@@ -343,7 +495,8 @@ mod tests {
             .map(|c| LoggedChange {
                 tenant: "t".into(),
                 shard: 1,
-                change: c.clone(),
+                change: Some(c.clone()),
+                buckets: Vec::new(),
             })
             .collect();
         assert_eq!(

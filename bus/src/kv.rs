@@ -5,9 +5,9 @@
 //!
 //! | bucket | key | value | TTL |
 //! |---|---|---|---|
-//! | `ankusa_<instance>_state` | `l.<log>.<writer>.<seq>` | a message of a claim log, `log = shard / 8` ([`claimlog`]) | until its longest-lived change expires |
-//! | | `b.<shard>.<h128(tenant)>` | [`StoredBuckets`] | until every bucket is full |
+//! | `ankusa_<instance>_state` | `l.<log>.<writer>.<seq>` | a message of a log of claim changes and bucket TATs, `log = shard / 8` ([`claimlog`]) | until its longest-lived record expires |
 //! | | `c.<shard>.<h128(tenant,source_id,key)>` | [`StoredClaim`] (written before the log; still read) | until the claim expires |
+//! | | `b.<shard>.<h128(tenant)>` | [`StoredBuckets`] (written before the log; still read) | until every bucket is full |
 //! | `ankusa_<instance>_leases` | `s.<shard>` | [`LeaseValue`] | the lease TTL |
 //! | `ankusa_<instance>_nodes` | `<node_id>` | [`Heartbeat`] | the lease TTL |
 //!
@@ -16,8 +16,8 @@
 //! log queue while its last message is in flight and leave together as the
 //! next one, so a burst of hits costs a handful of stored messages, not one
 //! each. A caller is answered only once the message holding its change is
-//! acknowledged. Bucket TATs are written behind, coalesced to at most one write
-//! per tenant per flush interval.
+//! acknowledged. Bucket TATs are written behind into the same logs, coalesced
+//! to at most one record per tenant per flush interval.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -113,11 +113,6 @@ fn hex128(parts: &[&str]) -> String {
 /// The KV key of a claim.
 pub fn claim_key(shard: u32, tenant: &str, source_id: &str, key: &str) -> String {
     format!("c.{shard}.{}", hex128(&[tenant, source_id, key]))
-}
-
-/// The KV key of a tenant's buckets.
-pub fn buckets_key(shard: u32, tenant: &str) -> String {
-    format!("b.{shard}.{}", hex128(&[tenant]))
 }
 
 fn lease_key(shard: u32) -> String {
@@ -424,8 +419,7 @@ impl FleetKv {
             return Ok(Vec::new());
         }
         let now_us = now_unix_us();
-        let mut claims = Replay::new(shard);
-        let mut buckets: HashMap<String, Vec<BucketRecord>> = HashMap::new();
+        let mut state = Replay::new(shard);
         let mut messages = consumer.messages().await.map_err(request_err)?;
         while let Some(message) = messages.next().await {
             let message = message.map_err(request_err)?;
@@ -453,16 +447,13 @@ impl FleetKv {
                     .unwrap_or_default();
                 let payload = &message.payload;
                 if key.starts_with("l.") {
-                    claims.apply_message(key, payload, now_us)?;
+                    state.apply_message(key, payload, now_us)?;
                 } else if key.starts_with("c.") {
                     let stored: StoredClaim = decode(key, payload)?;
-                    claims.apply(stored.tenant, ClaimChange::Put(stored.claim), now_us);
+                    state.apply(stored.tenant, ClaimChange::Put(stored.claim), now_us);
                 } else if key.starts_with("b.") {
                     let stored: StoredBuckets = decode(key, payload)?;
-                    buckets
-                        .entry(stored.tenant)
-                        .or_default()
-                        .extend(stored.buckets.into_iter().filter(|b| b.tat_us > now_us));
+                    state.apply_buckets(&stored.tenant, &stored.buckets);
                 }
             }
             if left == 0 {
@@ -470,20 +461,7 @@ impl FleetKv {
             }
         }
         let _ = stream.delete_consumer(&reader).await;
-        let mut tenants: Vec<TenantSnapshot> = claims.finish(now_us).collect();
-        for tenant in &mut tenants {
-            if let Some(moved) = buckets.remove(&tenant.tenant) {
-                tenant.buckets = moved;
-            }
-        }
-        tenants.extend(buckets.into_iter().filter(|(_, b)| !b.is_empty()).map(
-            |(tenant, buckets)| TenantSnapshot {
-                tenant,
-                buckets,
-                claims: Vec::new(),
-            },
-        ));
-        Ok(tenants)
+        Ok(state.finish(now_us))
     }
 }
 
@@ -521,15 +499,11 @@ async fn open_bucket(
 type Done = oneshot::Sender<Result<(), PersistError>>;
 
 /// What the commit loop is given.
-enum Submitted {
-    /// A claim change, for its shard's log.
-    Claim {
-        shard: u32,
-        change: EncodedChange,
-        done: Done,
-    },
-    /// A KV write of its own (bucket TATs).
-    Write { write: Write, done: Done },
+/// A change of a shard (a claim change or a tenant's TATs), for its log.
+struct Submitted {
+    shard: u32,
+    change: EncodedChange,
+    done: Done,
 }
 
 /// Writes awaited at once before new ones wait. Below the JetStream context's
@@ -579,10 +553,15 @@ impl KvWriter {
         &self.kv
     }
 
-    async fn submit(&self, submitted: impl FnOnce(Done) -> Submitted) -> Result<(), PersistError> {
+    /// Hands a change to the commit loop; returns once it is in JetStream.
+    async fn submit(&self, shard: u32, change: EncodedChange) -> Result<(), PersistError> {
         let (done, ack) = oneshot::channel();
         self.tx
-            .send(submitted(done))
+            .send(Submitted {
+                shard,
+                change,
+                done,
+            })
             .await
             .map_err(|_| PersistError::Stopped)?;
         ack.await.map_err(|_| PersistError::Stopped)?
@@ -599,20 +578,15 @@ impl KvWriter {
             let mut dirty = self.dirty.lock().unwrap_or_else(|p| p.into_inner());
             let slot = dirty.entry((shard, tenant.to_string())).or_default();
             for bucket in &changes.buckets {
-                slot[bucket_index(bucket)] = Some(bucket.tat_us);
+                slot[claimlog::kind_index(bucket.kind)] = Some(bucket.tat_us);
             }
         }
         let Some(change) = &changes.claim else {
             return Ok(());
         };
         // Encoded here, on the caller's task, so the commit loop only frames bytes.
-        let change = EncodedChange::new(shard, tenant, change);
-        self.submit(|done| Submitted::Claim {
-            shard,
-            change,
-            done,
-        })
-        .await
+        self.submit(shard, EncodedChange::claim(shard, tenant, change))
+            .await
     }
 
     /// Writes the dirty buckets (of one shard, or all) now and waits for the acks.
@@ -634,28 +608,27 @@ impl KvWriter {
         }
         metrics::histogram!("ankusa_kv_flush_buckets").record(batch.len() as f64);
         let now_us = now_unix_us();
-        let bucket = &self.kv.state_bucket;
         let writes = batch.iter().map(|((shard, tenant), tats)| {
-            let (shard, tenant, tats) = (*shard, tenant.clone(), *tats);
-            let key = buckets_key(shard, &tenant);
             let buckets: Vec<BucketRecord> = ankusa_actors::Kind::ALL
                 .iter()
                 .zip(tats)
-                .filter_map(|(&kind, tat)| {
-                    tat.filter(|&t| t > now_us)
-                        .map(|tat_us| BucketRecord { kind, tat_us })
+                .filter_map(|(&kind, &tat)| match tat {
+                    // A reset: its record must outlive the TATs it cancels.
+                    Some(0) => Some(BucketRecord { kind, tat_us: 0 }),
+                    Some(tat_us) if tat_us > now_us => Some(BucketRecord { kind, tat_us }),
+                    // Full again by itself: the bucket's earlier records, with
+                    // earlier TATs, have expired or soon will.
+                    _ => None,
                 })
                 .collect();
-            let write = match buckets.iter().map(|b| b.tat_us).max() {
-                None => Write::purge(bucket, &key),
-                Some(last) => Write::put(
-                    bucket,
-                    &key,
-                    encode(&StoredBuckets { tenant, buckets }),
-                    ttl_secs_until(last, now_us),
-                ),
-            };
-            self.submit(|done| Submitted::Write { write, done })
+            let change = (!buckets.is_empty())
+                .then(|| EncodedChange::buckets(*shard, tenant, &buckets, now_us));
+            async move {
+                match change {
+                    Some(change) => self.submit(*shard, change).await,
+                    None => Ok(()),
+                }
+            }
         });
         let results = futures::future::join_all(writes).await;
         let mut failed = 0;
@@ -680,13 +653,6 @@ impl KvWriter {
                 "bucket write-behind failed; retrying at the next flush"
             );
         }
-    }
-}
-
-fn bucket_index(bucket: &BucketRecord) -> usize {
-    match bucket.kind {
-        ankusa_actors::Kind::Hooks => 0,
-        ankusa_actors::Kind::Bytes => 1,
     }
 }
 
@@ -787,41 +753,29 @@ async fn commit_loop(
                 // Everything already waiting joins this round, so a burst is grouped.
                 let mut ready = Vec::new();
                 let mut next = Some(first);
-                while let Some(submitted) = next.take() {
-                    match submitted {
-                        Submitted::Claim { shard, change, done } => {
-                            let id = claimlog::log_of(shard);
-                            logs.logs.entry(id).or_default().queue.push((change, done));
-                            if !ready.contains(&id) {
-                                ready.push(id);
-                            }
-                        }
-                        Submitted::Write { write, done } => {
-                            let acked = publish(&js, write, vec![done], None).await;
-                            acks.push(acked);
-                        }
+                while let Some(Submitted { shard, change, done }) = next.take() {
+                    let id = claimlog::log_of(shard);
+                    logs.logs.entry(id).or_default().queue.push((change, done));
+                    if !ready.contains(&id) {
+                        ready.push(id);
                     }
-                    if acks.len() < MAX_IN_FLIGHT {
-                        next = rx.try_recv().ok();
-                    }
+                    next = rx.try_recv().ok();
                 }
                 for id in ready {
                     if let Some((write, waiters)) = logs.next_message(id) {
-                        let acked = publish(&js, write, waiters, Some(id)).await;
+                        let acked = publish(&js, write, waiters, id).await;
                         acks.push(acked);
                     }
                 }
                 metrics::gauge!("ankusa_kv_writes_in_flight").set(acks.len() as f64);
             }
-            Some(acked) = acks.next(), if !acks.is_empty() => {
-                if let Some(id) = acked {
-                    if let Some(log) = logs.logs.get_mut(&id) {
-                        log.in_flight = false;
-                    }
-                    if let Some((write, waiters)) = logs.next_message(id) {
-                        let acked = publish(&js, write, waiters, Some(id)).await;
-                        acks.push(acked);
-                    }
+            Some(id) = acks.next(), if !acks.is_empty() => {
+                if let Some(log) = logs.logs.get_mut(&id) {
+                    log.in_flight = false;
+                }
+                if let Some((write, waiters)) = logs.next_message(id) {
+                    let acked = publish(&js, write, waiters, id).await;
+                    acks.push(acked);
                 }
                 metrics::gauge!("ankusa_kv_writes_in_flight").set(acks.len() as f64);
             }
@@ -835,8 +789,8 @@ async fn publish(
     js: &jetstream::Context,
     write: Write,
     waiters: Vec<Done>,
-    log: Option<u32>,
-) -> BoxFuture<'static, Option<u32>> {
+    log: u32,
+) -> BoxFuture<'static, u32> {
     let published = js
         .publish_with_headers(write.subject, write.headers, write.payload)
         .await;
