@@ -166,6 +166,8 @@ fn calls_against_a_standalone_node() {
     assert_eq!(bad.status.code(), Some(2), "{bad:?}");
 
     // Nobody serves another instance: an error, exit code 1, within the budget.
+    // The budget is roomy so that a loaded machine's stalls land inside the
+    // retries (which then say `no_responders`) rather than past the deadline.
     let start = Instant::now();
     let none = Command::new(env!("CARGO_BIN_EXE_ankusa"))
         .args([
@@ -174,12 +176,13 @@ fn calls_against_a_standalone_node() {
             "--instance",
             "nobody",
             "--timeout-ms",
-            "300",
+            "2000",
         ])
         .args(["hit", "--tenant", "acme"])
         .output()
         .expect("ankusa runs");
     assert_eq!(none.status.code(), Some(1), "{none:?}");
-    assert!(String::from_utf8_lossy(&none.stderr).contains("code no_responders"));
+    let said = String::from_utf8_lossy(&none.stderr);
+    assert!(said.contains("code no_responders"), "{said}");
     assert!(start.elapsed() < Duration::from_secs(5));
 }
