@@ -6,10 +6,16 @@
 //!   the request (`timeout_ms`) so a node drops work the edge has given up on.
 //! - "No responders" means no node serves the shard right now (a handoff): the
 //!   client retries with a short, growing pause while the budget allows.
-//! - Micro-batching: while a request to a shard is in flight, further hits and
-//!   settles for that shard queue up and leave together in one `batch` message
-//!   when it returns. A lone request is never held back.
+//! - Micro-batching: while a request is in flight to the node serving a shard,
+//!   further hits and settles for any shard of that node queue up and leave
+//!   together in one `batch` message to the node's subject when it returns. A
+//!   lone request is never held back, and always goes to its shard's subject,
+//!   whose reply names the node serving the shard: that is how the edge learns
+//!   where to batch. Until it knows, it batches per shard. An item the node no
+//!   longer serves comes back `wrong_node`, unapplied, and is sent again to its
+//!   shard's subject; a node that stops answering is forgotten for every shard.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -21,7 +27,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::connect::{ConnectError, NatsOptions};
-use crate::protocol::{Op, Reply, ReplyBody, Request, MAX_BATCH};
+use crate::protocol::{ErrorCode, Op, Reply, ReplyBody, Request, MAX_BATCH, MAX_REQUEST_BYTES};
 use crate::shard::{shard_of, InstanceError, Subjects, MAX_SHARDS};
 use crate::store::{Store, StoreError};
 
@@ -62,27 +68,54 @@ pub enum ClientConfigError {
     Shards(u32),
 }
 
-/// A call waiting for its shard's in-flight request to come back.
+/// A call waiting for its lane's in-flight request to come back.
 struct Queued {
+    shard: usize,
     op: Op,
     deadline: Instant,
     reply: oneshot::Sender<Result<ReplyBody, StoreError>>,
 }
 
-/// Per shard: is a request in flight, and who waits to go next.
+/// Per lane: is a request in flight, and who waits to go next.
 #[derive(Default)]
 struct Lane {
     busy: bool,
     queue: Vec<Queued>,
 }
 
+type LaneRef = Arc<Mutex<Lane>>;
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Every value guarded here is valid whatever a panicking holder was doing.
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A node that answered for a shard, and its subject.
+#[derive(Clone)]
+struct NodeTarget {
+    name: Arc<str>,
+    subject: String,
+}
+
+/// Where a call queues: the lane of the node serving its shard when that is
+/// known (batches then go to the node's subject), else the shard's own lane.
+#[derive(Clone)]
+struct Route {
+    lane: LaneRef,
+    node: Option<NodeTarget>,
+}
+
 struct Inner {
     client: async_nats::Client,
-    subjects: Vec<String>,
+    subjects: Subjects,
+    shard_subjects: Vec<String>,
     shards: u32,
     batching: bool,
     max_batch: usize,
-    lanes: Vec<Mutex<Lane>>,
+    shard_lanes: Vec<LaneRef>,
+    /// The node each shard was last answered by, learned from its replies.
+    owners: Vec<Mutex<Option<Arc<str>>>>,
+    node_lanes: Mutex<HashMap<Arc<str>, (NodeTarget, LaneRef)>>,
 }
 
 /// The edge client of a fleet. Cheap to clone; clones share one connection.
@@ -118,11 +151,14 @@ impl FleetStore {
         Self {
             inner: Arc::new(Inner {
                 client,
-                subjects: (0..shards).map(|n| subjects.shard(n)).collect(),
+                subjects: subjects.clone(),
+                shard_subjects: (0..shards).map(|n| subjects.shard(n)).collect(),
                 shards,
                 batching: config.batching,
                 max_batch: config.max_batch.clamp(1, MAX_BATCH),
-                lanes: (0..shards).map(|_| Mutex::default()).collect(),
+                shard_lanes: (0..shards).map(|_| LaneRef::default()).collect(),
+                owners: (0..shards).map(|_| Mutex::default()).collect(),
+                node_lanes: Mutex::default(),
             }),
         }
     }
@@ -181,44 +217,105 @@ impl Inner {
     ) -> Result<ReplyBody, StoreError> {
         let mut pause = FIRST_RETRY;
         loop {
-            if self.client.connection_state() != State::Connected {
-                return Err(StoreError::Disconnected);
-            }
             request.timeout_ms = budget_ms(deadline);
             let payload = Bytes::from(request.encode());
-            let sent = self
-                .client
-                .send_request(
-                    self.subjects[shard].clone(),
-                    async_nats::Request::new()
-                        .payload(payload)
-                        .timeout(Some(deadline.saturating_duration_since(Instant::now()))),
-                )
-                .await;
-            match sent {
-                Ok(message) => {
-                    let reply = Reply::decode(&message.payload)
-                        .map_err(|e| StoreError::BadReply(e.to_string()))?;
+            match self
+                .send_once(&self.shard_subjects[shard], payload, deadline)
+                .await
+            {
+                Ok(reply) => {
+                    self.learn(shard, reply.node.as_deref());
                     return Ok(reply.body);
                 }
-                Err(err) if err.kind() == RequestErrorKind::NoResponders => {
-                    if Instant::now() + pause >= deadline {
-                        return Err(StoreError::NoResponders);
-                    }
+                Err(StoreError::NoResponders) if Instant::now() + pause < deadline => {
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(MAX_RETRY);
                 }
-                Err(err) if err.kind() == RequestErrorKind::TimedOut => {
-                    return Err(StoreError::Timeout(Duration::from_millis(
-                        request.timeout_ms,
-                    )));
-                }
-                Err(err) => return Err(StoreError::Transport(err.to_string())),
+                Err(err) => return Err(err),
             }
         }
     }
 
-    /// Goes alone when the shard's lane is idle; otherwise waits to leave with
+    /// One request to `subject`, no retry.
+    async fn send_once(
+        &self,
+        subject: &str,
+        payload: Bytes,
+        deadline: Instant,
+    ) -> Result<Reply, StoreError> {
+        if self.client.connection_state() != State::Connected {
+            return Err(StoreError::Disconnected);
+        }
+        let budget = deadline.saturating_duration_since(Instant::now());
+        let sent = self
+            .client
+            .send_request(
+                subject.to_owned(),
+                async_nats::Request::new()
+                    .payload(payload)
+                    .timeout(Some(budget)),
+            )
+            .await;
+        match sent {
+            Ok(message) => {
+                Reply::decode(&message.payload).map_err(|e| StoreError::BadReply(e.to_string()))
+            }
+            Err(err) if err.kind() == RequestErrorKind::NoResponders => {
+                Err(StoreError::NoResponders)
+            }
+            Err(err) if err.kind() == RequestErrorKind::TimedOut => {
+                Err(StoreError::Timeout(budget))
+            }
+            Err(err) => Err(StoreError::Transport(err.to_string())),
+        }
+    }
+
+    /// Remembers which node answered for `shard`.
+    fn learn(&self, shard: usize, node: Option<&str>) {
+        let Some(node) = node else { return };
+        let mut owner = lock(&self.owners[shard]);
+        if owner.as_deref() != Some(node) {
+            *owner = Some(node.into());
+        }
+    }
+
+    /// Forgets `node` as the server of `shard` (or, with `None`, of every shard).
+    fn forget(&self, node: &str, shard: Option<usize>) {
+        let shards = match shard {
+            Some(shard) => shard..shard + 1,
+            None => 0..self.owners.len(),
+        };
+        for owner in &self.owners[shards] {
+            let mut owner = lock(owner);
+            if owner.as_deref() == Some(node) {
+                *owner = None;
+            }
+        }
+    }
+
+    /// The lane a call for `shard` queues on.
+    fn route(&self, shard: usize) -> Route {
+        let Some(node) = lock(&self.owners[shard]).clone() else {
+            return Route {
+                lane: self.shard_lanes[shard].clone(),
+                node: None,
+            };
+        };
+        let mut lanes = lock(&self.node_lanes);
+        let (target, lane) = lanes.entry(node.clone()).or_insert_with(|| {
+            let target = NodeTarget {
+                subject: self.subjects.node(&node),
+                name: node,
+            };
+            (target, LaneRef::default())
+        });
+        Route {
+            lane: lane.clone(),
+            node: Some(target.clone()),
+        }
+    }
+
+    /// Goes alone when the call's lane is idle; otherwise waits to leave with
     /// the next batch.
     async fn call_batched(
         self: Arc<Self>,
@@ -226,12 +323,14 @@ impl Inner {
         op: Op,
         deadline: Instant,
     ) -> Result<ReplyBody, StoreError> {
+        let route = self.route(shard);
         // Either the call joins the queue (and waits for its batch) or it takes the lane.
         let op = {
-            let mut lane = self.lanes[shard].lock().unwrap_or_else(|p| p.into_inner());
+            let mut lane = lock(&route.lane);
             if lane.busy {
                 let (reply, rx) = oneshot::channel();
                 lane.queue.push(Queued {
+                    shard,
                     op,
                     deadline,
                     reply,
@@ -253,18 +352,18 @@ impl Inner {
         // Whatever happens to this call, the lane must be handed on.
         let lane_guard = LaneHandoff {
             inner: self.clone(),
-            shard,
+            route,
         };
         let result = self.send(shard, op, deadline).await;
         drop(lane_guard);
         result
     }
 
-    /// Flushes a shard's queue batch by batch until it is empty, then frees the lane.
-    async fn drain(self: Arc<Self>, shard: usize) {
+    /// Flushes a lane's queue batch by batch until it is empty, then frees the lane.
+    async fn drain(self: Arc<Self>, route: Route) {
         loop {
             let batch: Vec<Queued> = {
-                let mut lane = self.lanes[shard].lock().unwrap_or_else(|p| p.into_inner());
+                let mut lane = lock(&route.lane);
                 let now = Instant::now();
                 let (live, expired): (Vec<_>, Vec<_>) = std::mem::take(&mut lane.queue)
                     .into_iter()
@@ -281,14 +380,16 @@ impl Inner {
                 let take = lane.queue.len().min(self.max_batch);
                 lane.queue.drain(..take).collect()
             };
-            self.send_batch(shard, batch).await;
+            self.send_batch(route.node.as_ref(), batch).await;
         }
     }
 
-    async fn send_batch(&self, shard: usize, mut batch: Vec<Queued>) {
+    /// Sends `batch` to `node`'s subject, or to its first call's shard subject
+    /// when the node is not known (every call is then for that shard).
+    async fn send_batch(self: &Arc<Self>, node: Option<&NodeTarget>, mut batch: Vec<Queued>) {
         if batch.len() == 1 {
             if let Some(q) = batch.pop() {
-                let result = self.send(shard, q.op, q.deadline).await;
+                let result = self.send(q.shard, q.op, q.deadline).await;
                 let _ = q.reply.send(result);
             }
             return;
@@ -302,17 +403,36 @@ impl Inner {
             .iter()
             .map(|q| Request::new(budget_ms(q.deadline), q.op.clone()))
             .collect();
-        let result = self
-            .send_request(
-                shard,
-                Request::new(budget_ms(deadline), Op::Batch(items)),
-                deadline,
-            )
-            .await;
+        let request = Request::new(budget_ms(deadline), Op::Batch(items));
+        let payload = request.encode();
+        if payload.len() > MAX_REQUEST_BYTES {
+            // Too large for one message: two halves, each as small as it needs.
+            let second = batch.split_off(batch.len() / 2);
+            futures::join!(
+                Box::pin(self.send_batch(node, batch)),
+                Box::pin(self.send_batch(node, second))
+            );
+            return;
+        }
+        let result = match node {
+            Some(node) => self
+                .send_once(&node.subject, payload.into(), deadline)
+                .await
+                .map(|reply| reply.body),
+            None => self.send_request(batch[0].shard, request, deadline).await,
+        };
         match result {
             Ok(ReplyBody::Batch(replies)) if replies.len() == batch.len() => {
                 for (q, reply) in batch.into_iter().zip(replies) {
-                    let _ = q.reply.send(Ok(reply.body));
+                    match (node, reply.body) {
+                        (Some(node), ReplyBody::Error(err)) if err.code == ErrorCode::WrongNode => {
+                            self.forget(&node.name, Some(q.shard));
+                            self.resend(q);
+                        }
+                        (_, body) => {
+                            let _ = q.reply.send(Ok(body));
+                        }
+                    }
                 }
             }
             Ok(ReplyBody::Error(err)) => {
@@ -326,28 +446,47 @@ impl Inner {
                     let _ = q.reply.send(Err(StoreError::BadReply(why.clone())));
                 }
             }
+            Err(StoreError::NoResponders) if node.is_some() => {
+                // The node is gone, and nothing was applied: every call goes
+                // to its shard's subject, which finds the new owner.
+                if let Some(node) = node {
+                    self.forget(&node.name, None);
+                }
+                batch.into_iter().for_each(|q| self.resend(q));
+            }
             Err(err) => {
+                if let Some(node) = node {
+                    // A node that does not answer may have lost its shards.
+                    self.forget(&node.name, None);
+                }
                 for q in batch {
                     let _ = q.reply.send(Err(err.clone()));
                 }
             }
         }
     }
+
+    /// Sends a call that was not applied again, alone to its shard's subject.
+    fn resend(self: &Arc<Self>, q: Queued) {
+        let inner = self.clone();
+        tokio::spawn(async move {
+            let result = inner.send(q.shard, q.op, q.deadline).await;
+            let _ = q.reply.send(result);
+        });
+    }
 }
 
-/// Hands a shard's lane to its queue (or frees it) when the call that held it
-/// ends, even if that call was cancelled by its deadline.
+/// Hands a lane to its queue (or frees it) when the call that held it ends,
+/// even if that call was cancelled by its deadline.
 struct LaneHandoff {
     inner: Arc<Inner>,
-    shard: usize,
+    route: Route,
 }
 
 impl Drop for LaneHandoff {
     fn drop(&mut self) {
-        let inner = self.inner.clone();
-        let shard = self.shard;
         let has_queue = {
-            let mut lane = inner.lanes[shard].lock().unwrap_or_else(|p| p.into_inner());
+            let mut lane = lock(&self.route.lane);
             if lane.queue.is_empty() {
                 lane.busy = false;
                 false
@@ -356,7 +495,7 @@ impl Drop for LaneHandoff {
             }
         };
         if has_queue {
-            tokio::spawn(inner.drain(shard));
+            tokio::spawn(self.inner.clone().drain(self.route.clone()));
         }
     }
 }

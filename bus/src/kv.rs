@@ -736,6 +736,9 @@ impl ClaimLogs {
 /// acks are awaited at once. Claim changes are grouped per log: while a
 /// log's message is in flight, its next changes queue up and leave together
 /// when it is acknowledged.
+/// How many times a round waits for a burst still landing.
+const LANDING_YIELDS: usize = 4;
+
 async fn commit_loop(
     js: jetstream::Context,
     mut logs: ClaimLogs,
@@ -750,16 +753,30 @@ async fn commit_loop(
                     open = false;
                     continue;
                 };
-                // Everything already waiting joins this round, so a burst is grouped.
+                // Everything already waiting joins this round, so a burst is grouped;
+                // and while a burst is still landing (a batch's items reach their
+                // tenants a moment apart), the loop steps aside to let it land.
                 let mut ready = Vec::new();
                 let mut next = Some(first);
-                while let Some(Submitted { shard, change, done }) = next.take() {
-                    let id = claimlog::log_of(shard);
-                    logs.logs.entry(id).or_default().queue.push((change, done));
-                    if !ready.contains(&id) {
-                        ready.push(id);
+                let mut yields = 0;
+                loop {
+                    while let Some(Submitted { shard, change, done }) = next.take() {
+                        let id = claimlog::log_of(shard);
+                        logs.logs.entry(id).or_default().queue.push((change, done));
+                        if !ready.contains(&id) {
+                            ready.push(id);
+                        }
+                        next = rx.try_recv().ok();
                     }
+                    if yields == LANDING_YIELDS {
+                        break;
+                    }
+                    yields += 1;
+                    tokio::task::yield_now().await;
                     next = rx.try_recv().ok();
+                    if next.is_none() {
+                        break;
+                    }
                 }
                 for id in ready {
                     if let Some((write, waiters)) = logs.next_message(id) {

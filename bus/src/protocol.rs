@@ -50,6 +50,10 @@ pub enum Op {
 pub struct Reply {
     pub v: u32,
     pub body: ReplyBody,
+    /// The node that answered, on replies to a shard's subject: an edge learns
+    /// from it where to send its batches for that shard (the node's subject).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
 }
 
 /// What came of a request, a map with exactly one key naming it.
@@ -95,6 +99,9 @@ pub enum ErrorCode {
     Overloaded,
     /// The tenant does not hash to the shard this was sent to.
     WrongShard,
+    /// Sent to a node's subject for a shard that node does not serve now.
+    /// Nothing was changed: send it to the shard's subject.
+    WrongNode,
     /// The node cannot serve the shard now (handoff, persistence failure).
     Unavailable,
     /// A fault in the node.
@@ -111,6 +118,7 @@ impl std::fmt::Display for ErrorCode {
             ErrorCode::DeadlineExpired => "deadline_expired",
             ErrorCode::Overloaded => "overloaded",
             ErrorCode::WrongShard => "wrong_shard",
+            ErrorCode::WrongNode => "wrong_node",
             ErrorCode::Unavailable => "unavailable",
             ErrorCode::Internal => "internal",
         };
@@ -264,7 +272,17 @@ impl Request {
 
 impl Reply {
     pub fn new(body: ReplyBody) -> Self {
-        Self { v: VERSION, body }
+        Self {
+            v: VERSION,
+            body,
+            node: None,
+        }
+    }
+
+    /// Names the node that answered.
+    pub fn from_node(mut self, node: Option<&str>) -> Self {
+        self.node = node.map(str::to_owned);
+        self
     }
 
     pub fn error(err: ErrorReply) -> Self {

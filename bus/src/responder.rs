@@ -12,10 +12,19 @@
 //! validity by this node's own monotonic clock. A node that was paused past its
 //! lease wakes up to a closed window and stays silent, so the shard's new owner is
 //! the only one answering.
+//!
+//! [`NodeResponder`] takes batches on the node's own subject, their items for any
+//! of the shards the node serves (the [`ShardTable`]), so that an edge's batch is
+//! as large as its calls in flight to the node, not to one shard. An item for a
+//! shard the node does not serve (or whose window is closed) is answered
+//! `wrong_node` without being applied, and the edge sends it to the shard's
+//! subject instead. Each item counts as in flight on its shard, so a shard's
+//! release waits for it as for its own requests.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::sync::OnceLock;
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use ankusa_actors::actor::{Job, ShardMsg};
@@ -78,6 +87,60 @@ pub struct ShardContext {
     pub persistence: Persistence,
     /// `None`: always answer (standalone); `Some`: only while the lease is valid.
     pub window: Option<ServeWindow>,
+    /// The node's own subject, if it also takes this shard's calls there.
+    pub routing: Option<NodeRouting>,
+}
+
+/// A node's name and the table its [`NodeResponder`] routes by.
+#[derive(Clone)]
+pub struct NodeRouting {
+    pub node: Arc<str>,
+    pub table: ShardTable,
+}
+
+/// The shards a node serves, by number, for its [`NodeResponder`]. A shard's
+/// responder enters it once subscribed and leaves it before stopping.
+#[derive(Clone)]
+pub struct ShardTable(Arc<TableInner>);
+
+struct TableInner {
+    shards: u32,
+    served: RwLock<HashMap<u32, Routed>>,
+}
+
+struct Routed {
+    ctx: ShardContext,
+    in_flight: Arc<InFlight>,
+}
+
+impl ShardTable {
+    pub fn new(shards: u32) -> Self {
+        Self(Arc::new(TableInner {
+            shards,
+            served: RwLock::default(),
+        }))
+    }
+
+    fn enter(&self, ctx: &ShardContext, in_flight: &Arc<InFlight>) {
+        let ctx = ShardContext {
+            routing: None,
+            ..ctx.clone()
+        };
+        let routed = Routed {
+            ctx,
+            in_flight: in_flight.clone(),
+        };
+        self.write().insert(routed.ctx.shard, routed);
+    }
+
+    fn leave(&self, shard: u32) {
+        self.write().remove(&shard);
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<u32, Routed>> {
+        // The map is valid whatever a panicking holder was doing.
+        self.0.served.write().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 /// A running responder. Stopping it unsubscribes first, then waits for the
@@ -85,22 +148,37 @@ pub struct ShardContext {
 pub struct ShardResponder {
     stop: watch::Sender<bool>,
     task: JoinHandle<()>,
+    /// Where it is entered, to leave on stop.
+    entered: Option<(ShardTable, u32)>,
 }
 
 impl ShardResponder {
-    /// Subscribes to the shard's subject and starts answering.
+    /// Subscribes to the shard's subject and starts answering (on the node's
+    /// subject too, when the context has routing).
     pub async fn start(
         client: async_nats::Client,
         ctx: ShardContext,
     ) -> Result<Self, async_nats::SubscribeError> {
         let subscription = client.subscribe(ctx.subject.clone()).await?;
+        let in_flight = Arc::new(InFlight::default());
+        let entered = ctx.routing.as_ref().map(|routing| {
+            routing.table.enter(&ctx, &in_flight);
+            (routing.table.clone(), ctx.shard)
+        });
         let (stop, stopped) = watch::channel(false);
-        let task = tokio::spawn(run(client, ctx, subscription, stopped));
-        Ok(Self { stop, task })
+        let task = tokio::spawn(run(client, ctx, subscription, stopped, in_flight));
+        Ok(Self {
+            stop,
+            task,
+            entered,
+        })
     }
 
     /// Stops taking requests and waits (at most `grace`) for those in flight.
     pub async fn stop(self, grace: Duration) {
+        if let Some((table, shard)) = &self.entered {
+            table.leave(*shard);
+        }
         let _ = self.stop.send(true);
         if tokio::time::timeout(grace, self.task).await.is_err() {
             tracing::warn!("responder did not finish its in-flight answers within {grace:?}");
@@ -147,8 +225,9 @@ async fn run(
     ctx: ShardContext,
     mut subscription: async_nats::Subscriber,
     mut stopped: watch::Receiver<bool>,
+    in_flight: Arc<InFlight>,
 ) {
-    let in_flight = Arc::new(InFlight::default());
+    let node: Option<Arc<str>> = ctx.routing.as_ref().map(|r| r.node.clone());
     loop {
         let message = tokio::select! {
             message = subscription.next() => message,
@@ -172,6 +251,7 @@ async fn run(
         let guard = in_flight.enter();
         let client = client.clone();
         let window = ctx.window.clone();
+        let node = node.clone();
         tokio::spawn(async move {
             let body = answer.await;
             if !window_open(&window) {
@@ -182,6 +262,132 @@ async fn run(
             }
             count(&body);
             metrics::histogram!("ankusa_request_duration_seconds", "op" => op)
+                .record(received.elapsed().as_secs_f64());
+            let reply = Reply::new(body).from_node(node.as_deref());
+            if let Err(err) = client.publish(reply_to, reply.encode().into()).await {
+                tracing::debug!(error = %err, "reply not sent");
+            }
+            drop(guard);
+        });
+    }
+    let _ = subscription.unsubscribe().await;
+    in_flight.wait_idle().await;
+    let _ = client.flush().await;
+}
+
+/// A node's responder on its own subject: batches whose items may be for any
+/// shard the node serves.
+pub struct NodeResponder {
+    stop: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl NodeResponder {
+    /// Subscribes to `subject` (the node's) and routes by `table`.
+    pub async fn start(
+        client: async_nats::Client,
+        subject: String,
+        table: ShardTable,
+    ) -> Result<Self, async_nats::SubscribeError> {
+        let subscription = client.subscribe(subject).await?;
+        let (stop, stopped) = watch::channel(false);
+        let task = tokio::spawn(run_node(client, table, subscription, stopped));
+        Ok(Self { stop, task })
+    }
+
+    /// Stops taking requests and waits (at most `grace`) for those in flight.
+    pub async fn stop(self, grace: Duration) {
+        let _ = self.stop.send(true);
+        if tokio::time::timeout(grace, self.task).await.is_err() {
+            tracing::warn!("node responder did not finish its answers within {grace:?}");
+        }
+    }
+}
+
+/// One item's answer on the node subject, with what it holds until sent.
+struct RoutedAnswer {
+    body: ReplyBody,
+    /// The item's shard window, checked again just before the reply leaves.
+    window: Option<ServeWindow>,
+    _in_flight: Option<InFlightGuard>,
+}
+
+impl RoutedAnswer {
+    fn unrouted(body: ReplyBody) -> Self {
+        Self {
+            body,
+            window: None,
+            _in_flight: None,
+        }
+    }
+
+    /// The body to send: an error if the shard's lease lapsed meanwhile, since
+    /// another node may be answering for it by now.
+    fn into_body(self) -> ReplyBody {
+        if window_open(&self.window) {
+            self.body
+        } else {
+            metrics::counter!("ankusa_requests_dropped_total", "why" => "lease").increment(1);
+            unavailable("the shard's lease lapsed while this was in flight")
+        }
+    }
+}
+
+async fn run_node(
+    client: async_nats::Client,
+    table: ShardTable,
+    mut subscription: async_nats::Subscriber,
+    mut stopped: watch::Receiver<bool>,
+) {
+    let in_flight = Arc::new(InFlight::default());
+    loop {
+        let message = tokio::select! {
+            message = subscription.next() => message,
+            _ = stopped.changed() => None,
+        };
+        let Some(message) = message else { break };
+        let Some(reply_to) = message.reply.clone() else {
+            metrics::counter!("ankusa_requests_refused_total", "code" => "no_reply_subject")
+                .increment(1);
+            continue;
+        };
+        let received = Instant::now();
+        let items = match Request::decode(&message.payload) {
+            Ok(Request {
+                op: Op::Batch(items),
+                ..
+            }) => items,
+            // A lone call is answered as itself, not as a batch of one.
+            Ok(request) => {
+                let answer = route(&table, request, received);
+                let lone = answer_lone(client.clone(), reply_to, answer, in_flight.enter());
+                tokio::spawn(lone);
+                continue;
+            }
+            Err(err) => {
+                let body = ReplyBody::Error(err.into());
+                let answer = futures::future::ready(RoutedAnswer::unrouted(body)).boxed();
+                let lone = answer_lone(client.clone(), reply_to, answer, in_flight.enter());
+                tokio::spawn(lone);
+                continue;
+            }
+        };
+        let answers: Vec<_> = items
+            .into_iter()
+            .map(|item| route(&table, item, received))
+            .collect();
+        let guard = in_flight.enter();
+        let client = client.clone();
+        tokio::spawn(async move {
+            let answers = join_all(answers).await;
+            let body = ReplyBody::Batch(
+                answers
+                    .into_iter()
+                    .map(|a| Reply::new(a.into_body()))
+                    .collect(),
+            );
+            count(&body);
+            metrics::histogram!("ankusa_request_duration_seconds", "op" => "node_batch")
                 .record(received.elapsed().as_secs_f64());
             if let Err(err) = client
                 .publish(reply_to, Reply::new(body).encode().into())
@@ -195,6 +401,68 @@ async fn run(
     let _ = subscription.unsubscribe().await;
     in_flight.wait_idle().await;
     let _ = client.flush().await;
+}
+
+async fn answer_lone(
+    client: async_nats::Client,
+    reply_to: async_nats::Subject,
+    answer: BoxFuture<'static, RoutedAnswer>,
+    in_flight: InFlightGuard,
+) {
+    let body = answer.await.into_body();
+    count(&body);
+    if let Err(err) = client
+        .publish(reply_to, Reply::new(body).encode().into())
+        .await
+    {
+        tracing::debug!(error = %err, "reply not sent");
+    }
+    drop(in_flight);
+}
+
+/// Hands one request to the shard its tenant belongs to, if this node serves it.
+fn route(
+    table: &ShardTable,
+    request: Request,
+    received: Instant,
+) -> BoxFuture<'static, RoutedAnswer> {
+    let not_here = |message: String| {
+        futures::future::ready(RoutedAnswer::unrouted(ReplyBody::Error(ErrorReply::new(
+            ErrorCode::WrongNode,
+            message,
+        ))))
+        .boxed()
+    };
+    let Some(tenant) = request.tenant() else {
+        // Only a batch has no tenant, and a batch inside a batch does not decode.
+        let body = ReplyBody::Error(ErrorReply::new(
+            ErrorCode::Malformed,
+            "a batch inside a batch",
+        ));
+        return futures::future::ready(RoutedAnswer::unrouted(body)).boxed();
+    };
+    let shard = shard_of(tenant, table.0.shards);
+    let served = table.0.served.read().unwrap_or_else(|p| p.into_inner());
+    let Some(routed) = served.get(&shard) else {
+        return not_here(format!("this node does not serve shard {shard}"));
+    };
+    if !window_open(&routed.ctx.window) {
+        return not_here(format!("this node's lease on shard {shard} has lapsed"));
+    }
+    // Entered under the table's lock: a release that has left the table waits
+    // for every item entered before it.
+    let guard = routed.in_flight.enter();
+    let window = routed.ctx.window.clone();
+    let answer = dispatch(&routed.ctx, request, received);
+    drop(served);
+    async move {
+        RoutedAnswer {
+            body: answer.await,
+            window,
+            _in_flight: Some(guard),
+        }
+    }
+    .boxed()
 }
 
 fn window_open(window: &Option<ServeWindow>) -> bool {

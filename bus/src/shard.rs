@@ -63,6 +63,12 @@ impl Subjects {
         format!("{}.shard.{n}", self.prefix)
     }
 
+    /// The subject a node takes batches on for every shard it serves:
+    /// `ankusa.<instance>.node.<node_id>`.
+    pub fn node(&self, node_id: &str) -> String {
+        format!("{}.node.{node_id}", self.prefix)
+    }
+
     /// Every shard subject: `ankusa.<instance>.shard.*`.
     pub fn all_shards(&self) -> String {
         format!("{}.shard.*", self.prefix)

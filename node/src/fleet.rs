@@ -406,7 +406,8 @@ pub async fn run(
             ..shard_config(&config)
         },
         Persistence::Kv(writer.clone()),
-    );
+    )
+    .with_node_subject(&config.node_id);
     let wake = Arc::new(Notify::new());
     watch_membership(kv.clone(), wake.clone());
     let renew_every = Duration::from_millis(config.lease_renew_ms);

@@ -12,7 +12,9 @@ use std::time::Duration;
 use ankusa_actors::actor::{spawn_shard, ShardConfig, ShardMsg, ShardStats};
 use ankusa_actors::TenantSnapshot;
 use ankusa_bus::persist::Persistence;
-use ankusa_bus::responder::{ServeWindow, ShardContext, ShardResponder};
+use ankusa_bus::responder::{
+    NodeResponder, NodeRouting, ServeWindow, ShardContext, ShardResponder, ShardTable,
+};
 use ankusa_bus::Subjects;
 use ractor::rpc::CallResult;
 use ractor::{ActorRef, ActorStatus};
@@ -24,6 +26,8 @@ pub enum HostError {
     Actor { shard: u32, reason: String },
     #[error("could not subscribe shard {shard}: {reason}")]
     Subscribe { shard: u32, reason: String },
+    #[error("could not subscribe the node's subject {subject}: {reason}")]
+    NodeSubject { subject: String, reason: String },
 }
 
 struct Served {
@@ -39,6 +43,9 @@ pub struct ShardHost {
     shard_config: ShardConfig,
     persistence: Persistence,
     served: BTreeMap<u32, Served>,
+    /// Batches for any served shard on the node's own subject.
+    routing: Option<NodeRouting>,
+    node_responder: Option<NodeResponder>,
 }
 
 /// How long a releasing shard waits for its in-flight answers.
@@ -61,7 +68,38 @@ impl ShardHost {
             shard_config,
             persistence,
             served: BTreeMap::new(),
+            routing: None,
+            node_responder: None,
         }
+    }
+
+    /// Also takes batches for every served shard on `node_id`'s own subject
+    /// (started with the first shard served).
+    pub fn with_node_subject(mut self, node_id: &str) -> Self {
+        self.routing = Some(NodeRouting {
+            node: node_id.into(),
+            table: ShardTable::new(self.shards),
+        });
+        self
+    }
+
+    async fn start_node_subject(&mut self) -> Result<(), HostError> {
+        let Some(routing) = self.routing.as_ref() else {
+            return Ok(());
+        };
+        if self.node_responder.is_some() {
+            return Ok(());
+        }
+        let subject = self.subjects.node(&routing.node);
+        let responder =
+            NodeResponder::start(self.client.clone(), subject.clone(), routing.table.clone())
+                .await
+                .map_err(|e| HostError::NodeSubject {
+                    subject,
+                    reason: e.to_string(),
+                })?;
+        self.node_responder = Some(responder);
+        Ok(())
     }
 
     pub fn shards(&self) -> u32 {
@@ -88,6 +126,7 @@ impl ShardHost {
         if self.served.contains_key(&shard) {
             return Ok(());
         }
+        self.start_node_subject().await?;
         let actor = spawn_shard(self.shard_config.clone(), tenants, None)
             .await
             .map_err(|e| HostError::Actor {
@@ -101,6 +140,7 @@ impl ShardHost {
             actor: actor.clone(),
             persistence: self.persistence.clone(),
             window,
+            routing: self.routing.clone(),
         };
         match ShardResponder::start(self.client.clone(), ctx).await {
             Ok(responder) => {
@@ -140,6 +180,9 @@ impl ShardHost {
     pub async fn release_all(&mut self) {
         for shard in self.serving() {
             let _ = self.release(shard).await;
+        }
+        if let Some(responder) = self.node_responder.take() {
+            responder.stop(RELEASE_GRACE).await;
         }
     }
 

@@ -88,7 +88,8 @@ async fn standalone(
         config.shards,
         shard_config(&config),
         Persistence::Memory,
-    );
+    )
+    .with_node_subject(&config.node_id);
     for shard in 0..config.shards {
         host.serve(shard, Vec::new(), None).await?;
     }

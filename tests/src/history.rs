@@ -83,6 +83,7 @@ impl ErrorKind {
                     | ErrorCode::TooLarge
                     | ErrorCode::UnsupportedVersion
                     | ErrorCode::WrongShard
+                    | ErrorCode::WrongNode
             ),
             ErrorKind::Timeout | ErrorKind::BadReply | ErrorKind::Transport => false,
         }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use ankusa_actors::{HitOutcome, SettleOutcome, Settlement};
 use ankusa_bus::kv::FleetKv;
-use ankusa_bus::protocol::{Op, Reply, ReplyBody, Request};
+use ankusa_bus::protocol::{ErrorCode, Op, Reply, ReplyBody, Request};
 use ankusa_bus::{shard_of, FleetConfig, FleetStore, NatsOptions, Store, Subjects};
 use ankusa_node::fleet::target_owner;
 use ankusa_tests::requests::{hit, settle};
@@ -348,4 +348,139 @@ async fn a_nats_server_restart_keeps_every_committed_claim() {
             "{tenant}/{key}"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_subject_answers_for_its_own_shards_only_and_edges_batch_there() {
+    let nats = NatsServer::start().await.expect("nats");
+    let kv = kv(&nats).await;
+    let mut nodes = vec![node("node-a", &nats), node("node-b", &nats)];
+    let owners = wait_balanced(&kv, &["node-a", "node-b"], Duration::from_secs(20)).await;
+    let subjects = Subjects::new("test").unwrap();
+    let client = nats.connect().await.expect("connect");
+    let ask = |subject: String, request: Request| {
+        let client = client.clone();
+        async move {
+            let message = tokio::time::timeout(T, client.request(subject, request.encode().into()))
+                .await
+                .expect("answered in time")
+                .expect("request sent");
+            Reply::decode(&message.payload).expect("a well-formed reply")
+        }
+    };
+
+    // A shard's reply names the node serving it.
+    let reply = ask(
+        subjects.shard(3),
+        Request::new(1_000, Op::Hit(hit(&tenant_on(3), "named", "h"))),
+    )
+    .await;
+    assert_eq!(reply.body, ReplyBody::Hit(HitOutcome::Ok));
+    assert_eq!(reply.node.as_deref(), Some(owners[&3].as_str()));
+
+    // One batch to node-a with an item for every shard: node-a applies its own
+    // and answers `wrong_node` for the others, applying nothing of theirs.
+    let batch = |hook: &str| {
+        let items = (0..SHARDS)
+            .map(|s| Request::new(1_000, Op::Hit(hit(&tenant_on(s), "k", hook))))
+            .collect();
+        Request::new(1_000, Op::Batch(items))
+    };
+    let reply = ask(subjects.node("node-a"), batch("first")).await;
+    let ReplyBody::Batch(items) = reply.body else {
+        panic!("a batch answered with {reply:?}");
+    };
+    assert_eq!(items.len(), SHARDS as usize);
+    for (shard, item) in (0..SHARDS).zip(&items) {
+        if owners[&shard] == "node-a" {
+            assert_eq!(item.body, ReplyBody::Hit(HitOutcome::Ok), "shard {shard}");
+        } else {
+            match &item.body {
+                ReplyBody::Error(err) => assert_eq!(err.code, ErrorCode::WrongNode),
+                other => panic!("shard {shard} of node-b answered {other:?} on node-a"),
+            }
+        }
+    }
+    // The same keys under another hook: node-b's were never claimed (`Ok`),
+    // node-a's are pending for the first hook.
+    let reply = ask(subjects.node("node-b"), batch("second")).await;
+    let ReplyBody::Batch(items) = reply.body else {
+        panic!("a batch answered with {reply:?}");
+    };
+    for (shard, item) in (0..SHARDS).zip(&items) {
+        match (owners[&shard].as_str(), &item.body) {
+            ("node-b", ReplyBody::Hit(HitOutcome::Ok)) => {}
+            ("node-a", ReplyBody::Error(err)) if err.code == ErrorCode::WrongNode => {}
+            (owner, body) => panic!("shard {shard} ({owner}) answered {body:?} on node-b"),
+        }
+    }
+
+    // An edge with batching learns the owners from its first replies, then
+    // sends its batches to the nodes' subjects.
+    let store = edge(&nats).await;
+    let burst = |round: &'static str| {
+        let calls = (0..400).map(|i| {
+            let store = store.clone();
+            let tenant = tenant_on(i % SHARDS);
+            async move {
+                store
+                    .hit(hit(&tenant, &format!("{round}-{i}"), "h"), T)
+                    .await
+            }
+        });
+        futures::future::join_all(calls)
+    };
+    let before = node_batches(&nodes).await;
+    for round in ["learn", "batch"] {
+        let results = burst(round).await;
+        assert!(
+            results.iter().all(|r| r == &Ok(HitOutcome::Ok)),
+            "{results:?}"
+        );
+    }
+    let sent = node_batches(&nodes).await - before;
+    assert!(sent >= 1.0, "no batch of the edge reached a node's subject");
+
+    // Shards move to a new node: the old owners answer `wrong_node` for what
+    // the edge still sends them, and the edge sends it on to the shards.
+    nodes.push(node("node-c", &nats));
+    wait_balanced(
+        &kv,
+        &["node-a", "node-b", "node-c"],
+        Duration::from_secs(20),
+    )
+    .await;
+    let results = burst("moved").await;
+    assert!(
+        results.iter().all(|r| r == &Ok(HitOutcome::Ok)),
+        "{results:?}"
+    );
+    let mut wrong_node = 0.0;
+    for node in &nodes {
+        let name = "ankusa_requests_refused_total{code=\"wrong_node\"}";
+        wrong_node += node.metric(name).await.unwrap_or(0.0);
+    }
+    assert!(
+        wrong_node >= 1.0,
+        "no item came back wrong_node after the move"
+    );
+
+    // A node that leaves: its subject has no responders, and the edge finds
+    // the shards' new owners through their subjects.
+    nodes[0].stop().await.expect("node-a stops");
+    wait_balanced(&kv, &["node-b", "node-c"], Duration::from_secs(20)).await;
+    let results = burst("left").await;
+    assert!(
+        results.iter().all(|r| r == &Ok(HitOutcome::Ok)),
+        "{results:?}"
+    );
+}
+
+async fn node_batches(nodes: &[NodeProcess]) -> f64 {
+    let mut total = 0.0;
+    for node in nodes {
+        let name = "ankusa_request_duration_seconds_count{op=\"node_batch\"}";
+        total += node.metric(name).await.unwrap_or(0.0);
+    }
+    total
 }
