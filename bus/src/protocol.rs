@@ -480,6 +480,17 @@ mod tests {
     }
 
     #[test]
+    fn a_reply_names_its_node_only_when_told() {
+        let plain = Reply::new(ReplyBody::Reset);
+        let named = plain.clone().from_node(Some("node-1"));
+        // Absent when not set, so replies without it keep their bytes: the
+        // name adds its key and value (fixstr 1 + 4, fixstr 1 + 6) and nothing else.
+        assert_eq!(plain.encode().len() + 12, named.encode().len());
+        assert_eq!(Reply::decode(&named.encode()), Ok(named));
+        assert_eq!(Reply::decode(&plain.encode()).map(|r| r.node), Ok(None));
+    }
+
+    #[test]
     fn unknown_version_is_told_apart_from_garbage() {
         let mut req = hit();
         req.v = 2;
