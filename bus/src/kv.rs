@@ -732,13 +732,13 @@ impl ClaimLogs {
     }
 }
 
+/// How many times a round waits for a burst still landing.
+const LANDING_YIELDS: usize = 4;
+
 /// Publishes writes as they come and completes each once its ack is in; many
 /// acks are awaited at once. Claim changes are grouped per log: while a
 /// log's message is in flight, its next changes queue up and leave together
 /// when it is acknowledged.
-/// How many times a round waits for a burst still landing.
-const LANDING_YIELDS: usize = 4;
-
 async fn commit_loop(
     js: jetstream::Context,
     mut logs: ClaimLogs,
