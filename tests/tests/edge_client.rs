@@ -345,3 +345,33 @@ async fn no_node_means_no_responders_within_the_deadline() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_of_the_largest_calls_are_split_to_fit_a_message() {
+    let (nats, _node) = serving_pair().await;
+    let store = connected(&nats.url()).await;
+    // Calls of the largest size the rules allow: 64 of them make a batch of
+    // about 170 KB, well over the 64 KiB a request may hold.
+    let long = |c: char, n: usize| std::iter::repeat_n(c, n).collect::<String>();
+    let big = |tenant: &str, i: usize| {
+        let mut req = hit(tenant, &format!("{i}{}", long('k', 1000)), &long('h', 256));
+        if let Some(claim) = req.claim.as_mut() {
+            claim.source_id = long('s', 256);
+            claim.node = long('n', 256);
+        }
+        req
+    };
+    for round in 0..2 {
+        let calls = (0..200).map(|i| {
+            let store = store.clone();
+            let tenant = format!("{round}{}{}", i % 8, long('t', 250));
+            async move { store.hit(big(&tenant, i), Duration::from_secs(5)).await }
+        });
+        let results = futures::future::join_all(calls).await;
+        assert!(
+            results.iter().all(|r| r == &Ok(HitOutcome::Ok)),
+            "{:?}",
+            results.iter().find(|r| r != &&Ok(HitOutcome::Ok))
+        );
+    }
+}
