@@ -800,6 +800,14 @@ async fn commit_loop(
     }
 }
 
+/// How long a log message's ack is awaited. A message whose ack was lost (its
+/// connection dropped, its server restarted) would otherwise hold its log for
+/// the JetStream context's 5 s: every later change of the log's shards waits
+/// behind it. Its waiters are answered `unavailable` (their callers have given
+/// up by then) and the log moves on; replay does not depend on the order
+/// of a lost message and the next.
+const ACK_WAIT: Duration = Duration::from_secs(1);
+
 /// Publishes one write; the future it returns completes the waiters once the
 /// ack is in, and yields the log whose message it was.
 async fn publish(
@@ -814,10 +822,12 @@ async fn publish(
     let sent = std::time::Instant::now();
     async move {
         let result = match published {
-            Ok(ack) => ack
-                .await
-                .map(|_| ())
-                .map_err(|e| PersistError::Write(e.to_string())),
+            Ok(ack) => match tokio::time::timeout(ACK_WAIT, ack).await {
+                Ok(acked) => acked
+                    .map(|_| ())
+                    .map_err(|e| PersistError::Write(e.to_string())),
+                Err(_) => Err(PersistError::Write(format!("no ack within {ACK_WAIT:?}"))),
+            },
             Err(e) => Err(PersistError::Write(e.to_string())),
         };
         metrics::histogram!("ankusa_kv_write_seconds").record(sent.elapsed().as_secs_f64());
