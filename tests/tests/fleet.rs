@@ -378,6 +378,22 @@ async fn a_node_subject_answers_for_its_own_shards_only_and_edges_batch_there() 
     assert_eq!(reply.body, ReplyBody::Hit(HitOutcome::Ok));
     assert_eq!(reply.node.as_deref(), Some(owners[&3].as_str()));
 
+    // Garbage on a node's subject gets a typed error, like on a shard's.
+    let message = tokio::time::timeout(
+        T,
+        client.request(subjects.node("node-a"), b"\xc1 not msgpack".to_vec().into()),
+    )
+    .await
+    .expect("answered in time")
+    .expect("request sent");
+    match Reply::decode(&message.payload)
+        .expect("a well-formed reply")
+        .body
+    {
+        ReplyBody::Error(err) => assert_eq!(err.code, ErrorCode::Malformed),
+        other => panic!("garbage answered {other:?}"),
+    }
+
     // One batch to node-a with an item for every shard: node-a applies its own
     // and answers `wrong_node` for the others, applying nothing of theirs.
     let batch = |hook: &str| {
