@@ -140,6 +140,25 @@ fn request_err(e: impl std::fmt::Display) -> KvError {
     KvError::Request(e.to_string())
 }
 
+/// How long a shard load waits for any one answer. A stream that lost its
+/// leader (a server of the cluster died) can leave a reader waiting long
+/// after the stream is back; failing the load lets the caller retry it on a
+/// fresh reader, while a load that streams messages is never cut short.
+const LOAD_IDLE: Duration = Duration::from_secs(5);
+
+/// `call`'s result, or an error naming `what` when it takes over [`LOAD_IDLE`].
+async fn answered<T, E: std::fmt::Display>(
+    what: &str,
+    call: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, KvError> {
+    match tokio::time::timeout(LOAD_IDLE, call).await {
+        Ok(result) => result.map_err(request_err),
+        Err(_) => Err(KvError::Request(format!(
+            "{what}: no answer within {LOAD_IDLE:?}"
+        ))),
+    }
+}
+
 /// One write to a KV key: a put (with TTL) or a purge.
 #[derive(Debug, Clone)]
 struct Write {
@@ -390,27 +409,25 @@ impl FleetKv {
     /// bucket keys, and the one-key-per-claim records that nodes before the log
     /// wrote (`c.<shard>.*`), so such a node's claims survive an upgrade.
     pub async fn load_shard(&self, shard: u32) -> Result<Vec<TenantSnapshot>, KvError> {
-        let stream = self
-            .js
-            .get_stream(format!("KV_{}", self.state_bucket))
-            .await
-            .map_err(request_err)?;
+        let stream = answered(
+            "the state stream",
+            self.js.get_stream(format!("KV_{}", self.state_bucket)),
+        )
+        .await?;
         let prefix = format!("$KV.{}.", self.state_bucket);
-        let mut consumer = stream
-            .create_consumer(consumer::pull::OrderedConfig {
-                filter_subjects: vec![
-                    format!("{prefix}{}", claimlog::log_filter(shard)),
-                    format!("{prefix}c.{shard}.*"),
-                    format!("{prefix}b.{shard}.*"),
-                ],
-                // Every key holds one message (history 1): all of them, in the
-                // order they were stored, which is the order the log replays in.
-                deliver_policy: consumer::DeliverPolicy::All,
-                ..Default::default()
-            })
-            .await
-            .map_err(request_err)?;
-        let info = consumer.info().await.map_err(request_err)?;
+        let consumer = stream.create_consumer(consumer::pull::OrderedConfig {
+            filter_subjects: vec![
+                format!("{prefix}{}", claimlog::log_filter(shard)),
+                format!("{prefix}c.{shard}.*"),
+                format!("{prefix}b.{shard}.*"),
+            ],
+            // Every key holds one message (history 1): all of them, in the
+            // order they were stored, which is the order the log replays in.
+            deliver_policy: consumer::DeliverPolicy::All,
+            ..Default::default()
+        });
+        let mut consumer = answered("a reader of the state stream", consumer).await?;
+        let info = answered("the reader's info", consumer.info()).await?;
         // The server would reap the consumer once idle; until then it filters every
         // write to the stream, so it goes as soon as the load is done.
         let mut reader = info.name.clone();
@@ -420,8 +437,10 @@ impl FleetKv {
         }
         let now_us = now_unix_us();
         let mut state = Replay::new(shard);
-        let mut messages = consumer.messages().await.map_err(request_err)?;
-        while let Some(message) = messages.next().await {
+        let mut messages = answered("the reader's messages", consumer.messages()).await?;
+        while let Some(message) =
+            answered("the next message", messages.next().map(Ok::<_, KvError>)).await?
+        {
             let message = message.map_err(request_err)?;
             let left = match message.info() {
                 Ok(info) => {

@@ -215,6 +215,18 @@ async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
         .flatten()
 }
 
+/// Whether `text` names `port` after a colon as a whole number (a fresh port
+/// such as 42221 must not pass for the shipped 4222).
+fn mentions_port(text: &str, port: u16) -> bool {
+    let needle = format!(":{port}");
+    text.match_indices(&needle).any(|(at, _)| {
+        !text[at + needle.len()..]
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_digit())
+    })
+}
+
 /// Starts n1..n3 from the shipped files, their ports replaced by free ones and run
 /// from `dir` (where their relative store dirs land); waits until all are healthy.
 async fn start_shipped_cluster(dir: &Path) -> Vec<Member> {
@@ -232,14 +244,23 @@ async fn start_shipped_cluster(dir: &Path) -> Vec<Member> {
     for i in 0..3 {
         let mut text = read(&format!("deploy/nats/cluster/n{}.conf", i + 1));
         assert!(text.contains("cluster {"), "n{} has a cluster block", i + 1);
-        for (shipped, fresh) in SHIPPED.iter().zip(&ports) {
-            for (old, new) in shipped.iter().zip(fresh) {
-                text = text.replace(&format!("127.0.0.1:{old}"), &format!("127.0.0.1:{new}"));
-            }
+        // Through placeholders, so that a fresh port (say 42231) is never taken
+        // for a shipped one (4223) by a later replacement.
+        let pairs: Vec<(u16, u16)> = SHIPPED
+            .iter()
+            .flatten()
+            .copied()
+            .zip(ports.iter().flatten().copied())
+            .collect();
+        for (old, _) in &pairs {
+            text = text.replace(&format!("127.0.0.1:{old}"), &format!("127.0.0.1:<{old}>"));
+        }
+        for (old, new) in &pairs {
+            text = text.replace(&format!("127.0.0.1:<{old}>"), &format!("127.0.0.1:{new}"));
         }
         for old in SHIPPED.iter().flatten() {
             assert!(
-                !text.contains(&format!(":{old}")),
+                !mentions_port(&text, *old),
                 "n{}.conf uses port {old} in a way this test does not move",
                 i + 1
             );
@@ -397,6 +418,11 @@ async fn shipped_cluster_carries_replicated_nodes_through_a_server_loss() {
             |r| r.is_ok(),
         )
         .await;
+        if got != Ok(HitOutcome::Ok) {
+            for n in &nodes {
+                eprintln!("==== {}\n{}", n.spec.node_id, n.log_tail(40));
+            }
+        }
         assert_eq!(got, Ok(HitOutcome::Ok), "shard {shard} after losing n1");
         assert_eq!(
             store.hit(replay(&tenant, "before"), t).await,
