@@ -41,6 +41,10 @@ pub struct FleetConfig {
     pub shards: u32,
     /// Share one message among concurrent calls to a shard.
     pub batching: bool,
+    /// With batching: send batches to the node serving their shards (on the
+    /// node's subject), not shard by shard. Off where the edge may not publish
+    /// to `ankusa.<instance>.node.*`.
+    pub node_batches: bool,
     /// Most calls in one batch.
     pub max_batch: usize,
 }
@@ -52,6 +56,7 @@ impl FleetConfig {
             instance: instance.into(),
             shards: 64,
             batching: true,
+            node_batches: true,
             max_batch: 64,
         }
     }
@@ -111,6 +116,7 @@ struct Inner {
     shard_subjects: Vec<String>,
     shards: u32,
     batching: bool,
+    node_batches: bool,
     max_batch: usize,
     shard_lanes: Vec<LaneRef>,
     /// The node each shard was last answered by, learned from its replies.
@@ -155,6 +161,7 @@ impl FleetStore {
                 shard_subjects: (0..shards).map(|n| subjects.shard(n)).collect(),
                 shards,
                 batching: config.batching,
+                node_batches: config.node_batches,
                 max_batch: config.max_batch.clamp(1, MAX_BATCH),
                 shard_lanes: (0..shards).map(|_| LaneRef::default()).collect(),
                 owners: (0..shards).map(|_| Mutex::default()).collect(),
@@ -272,7 +279,9 @@ impl Inner {
 
     /// Remembers which node answered for `shard`.
     fn learn(&self, shard: usize, node: Option<&str>) {
-        let Some(node) = node else { return };
+        let Some(node) = node.filter(|_| self.node_batches) else {
+            return;
+        };
         let mut owner = lock(&self.owners[shard]);
         if owner.as_deref() != Some(node) {
             *owner = Some(node.into());

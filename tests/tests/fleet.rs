@@ -25,8 +25,13 @@ fn node(id: &str, nats: &NatsServer) -> NodeProcess {
 }
 
 async fn edge(nats: &NatsServer) -> FleetStore {
+    edge_with(nats, |_| {}).await
+}
+
+async fn edge_with(nats: &NatsServer, tweak: impl FnOnce(&mut FleetConfig)) -> FleetStore {
     let mut config = FleetConfig::new(NatsOptions::with_servers([nats.url()]), "test");
     config.shards = SHARDS;
+    tweak(&mut config);
     let store = FleetStore::connect(config).await.expect("config");
     wait_until(Duration::from_secs(5), || async {
         store.nats().connection_state() == async_nats::connection::State::Connected
@@ -456,6 +461,31 @@ async fn a_node_subject_answers_for_its_own_shards_only_and_edges_batch_there() 
     }
     let sent = node_batches(&nodes).await - before;
     assert!(sent >= 1.0, "no batch of the edge reached a node's subject");
+
+    // An edge told not to use node subjects batches shard by shard only.
+    let shard_only = edge_with(&nats, |c| c.node_batches = false).await;
+    let before = node_batches(&nodes).await;
+    for round in ["shard-learn", "shard-batch"] {
+        let calls = (0..400).map(|i| {
+            let store = shard_only.clone();
+            let tenant = tenant_on(i % SHARDS);
+            async move {
+                store
+                    .hit(hit(&tenant, &format!("{round}-{i}"), "h"), T)
+                    .await
+            }
+        });
+        let results = futures::future::join_all(calls).await;
+        assert!(
+            results.iter().all(|r| r == &Ok(HitOutcome::Ok)),
+            "{results:?}"
+        );
+    }
+    assert_eq!(
+        node_batches(&nodes).await,
+        before,
+        "node_batches off, yet a node batch"
+    );
 
     // Shards move to a new node: the old owners answer `wrong_node` for what
     // the edge still sends them, and the edge sends it on to the shards.
