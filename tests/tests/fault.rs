@@ -350,6 +350,41 @@ async fn probe_every_shard(client: Client, history: Arc<History>, tag: String, w
     }
 }
 
+/// Keeps the workload going until every client that answered locally has had
+/// a fleet answer since the last fault ended, or until [`RECOVERY_BOUND`] after
+/// it: a degrading edge comes back on its breaker's schedule (its backoff
+/// doubles while the fleet is down), and the checker's rule that it does so
+/// within the bound needs the run to last that long.
+async fn wait_for_degraded_edges(history: &History) {
+    use ankusa_tests::history::Answered;
+    let last = history
+        .faults()
+        .iter()
+        .filter_map(|f| f.end)
+        .max()
+        .unwrap_or(0);
+    let until = last + RECOVERY_BOUND.as_micros() as u64;
+    while history.now() < until {
+        let events = history.events();
+        let degraded = events
+            .iter()
+            .filter(|e| e.result.answered() == Some(Answered::Local))
+            .map(|e| e.client.as_str());
+        let back = |client: &str| {
+            events.iter().any(|e| {
+                e.client == client
+                    && e.invoked >= last
+                    && e.result.answered() == Some(Answered::Fleet)
+            })
+        };
+        if degraded.into_iter().all(back) {
+            return;
+        }
+        // A whole history is copied per look: not too often.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
 /// After a fault's repair: probes every shard until each answers from the
 /// fleet, then waits out the rest of the gap before the next fault.
 async fn recover(history: &Arc<History>, probe: &Client, tag: String) {
@@ -712,6 +747,7 @@ async fn run(nats: Nats, replicas: usize) -> (Report, Vec<CutSeen>) {
             break;
         }
     }
+    wait_for_degraded_edges(&history).await;
     stop.store(true, Ordering::Relaxed);
     for c in clients {
         c.await.expect("client task");
