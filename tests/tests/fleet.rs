@@ -439,25 +439,9 @@ async fn a_node_subject_answers_for_its_own_shards_only_and_edges_batch_there() 
     // An edge with batching learns the owners from its first replies, then
     // sends its batches to the nodes' subjects.
     let store = edge(&nats).await;
-    let burst = |round: &'static str| {
-        let calls = (0..400).map(|i| {
-            let store = store.clone();
-            let tenant = tenant_on(i % SHARDS);
-            async move {
-                store
-                    .hit(hit(&tenant, &format!("{round}-{i}"), "h"), T)
-                    .await
-            }
-        });
-        futures::future::join_all(calls)
-    };
     let before = node_batches(&nodes).await;
     for round in ["learn", "batch"] {
-        let results = burst(round).await;
-        assert!(
-            results.iter().all(|r| r == &Ok(HitOutcome::Ok)),
-            "{results:?}"
-        );
+        burst(&store, round).await;
     }
     let sent = node_batches(&nodes).await - before;
     assert!(sent >= 1.0, "no batch of the edge reached a node's subject");
@@ -466,20 +450,7 @@ async fn a_node_subject_answers_for_its_own_shards_only_and_edges_batch_there() 
     let shard_only = edge_with(&nats, |c| c.node_batches = false).await;
     let before = node_batches(&nodes).await;
     for round in ["shard-learn", "shard-batch"] {
-        let calls = (0..400).map(|i| {
-            let store = shard_only.clone();
-            let tenant = tenant_on(i % SHARDS);
-            async move {
-                store
-                    .hit(hit(&tenant, &format!("{round}-{i}"), "h"), T)
-                    .await
-            }
-        });
-        let results = futures::future::join_all(calls).await;
-        assert!(
-            results.iter().all(|r| r == &Ok(HitOutcome::Ok)),
-            "{results:?}"
-        );
+        burst(&shard_only, round).await;
     }
     assert_eq!(
         node_batches(&nodes).await,
@@ -496,11 +467,7 @@ async fn a_node_subject_answers_for_its_own_shards_only_and_edges_batch_there() 
         Duration::from_secs(20),
     )
     .await;
-    let results = burst("moved").await;
-    assert!(
-        results.iter().all(|r| r == &Ok(HitOutcome::Ok)),
-        "{results:?}"
-    );
+    burst(&store, "moved").await;
     let mut wrong_node = 0.0;
     for node in &nodes {
         let name = "ankusa_requests_refused_total{code=\"wrong_node\"}";
@@ -515,7 +482,20 @@ async fn a_node_subject_answers_for_its_own_shards_only_and_edges_batch_there() 
     // the shards' new owners through their subjects.
     nodes[0].stop().await.expect("node-a stops");
     wait_balanced(&kv, &["node-b", "node-c"], Duration::from_secs(20)).await;
-    let results = burst("left").await;
+    burst(&store, "left").await;
+}
+
+/// 400 hits at once, over every shard; each must be answered `Ok`.
+async fn burst(store: &FleetStore, round: &str) {
+    let calls = (0..400).map(|i| {
+        let tenant = tenant_on(i % SHARDS);
+        async move {
+            store
+                .hit(hit(&tenant, &format!("{round}-{i}"), "h"), T)
+                .await
+        }
+    });
+    let results = futures::future::join_all(calls).await;
     assert!(
         results.iter().all(|r| r == &Ok(HitOutcome::Ok)),
         "{results:?}"
