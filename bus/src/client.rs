@@ -121,7 +121,7 @@ struct Inner {
     shard_lanes: Vec<LaneRef>,
     /// The node each shard was last answered by, learned from its replies.
     owners: Vec<Mutex<Option<Arc<str>>>>,
-    node_lanes: Mutex<HashMap<Arc<str>, (NodeTarget, LaneRef)>>,
+    node_lanes: Mutex<HashMap<Arc<str>, Route>>,
 }
 
 /// The edge client of a fleet. Cheap to clone; clones share one connection.
@@ -213,19 +213,21 @@ impl Inner {
     /// One request on the wire, retried while no node serves the shard.
     async fn send(&self, shard: usize, op: Op, deadline: Instant) -> Result<ReplyBody, StoreError> {
         let request = Request::new(budget_ms(deadline), op);
-        self.send_request(shard, request, deadline).await
+        let payload = request.encode().into();
+        self.send_request(shard, request, payload, deadline).await
     }
 
+    /// Sends `payload` (`request`, encoded) to the shard's subject; a resend
+    /// after "no responders" carries the budget left then.
     async fn send_request(
         &self,
         shard: usize,
         mut request: Request,
+        mut payload: Bytes,
         deadline: Instant,
     ) -> Result<ReplyBody, StoreError> {
         let mut pause = FIRST_RETRY;
         loop {
-            request.timeout_ms = budget_ms(deadline);
-            let payload = Bytes::from(request.encode());
             match self
                 .send_once(&self.shard_subjects[shard], payload, deadline)
                 .await
@@ -237,6 +239,8 @@ impl Inner {
                 Err(StoreError::NoResponders) if Instant::now() + pause < deadline => {
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(MAX_RETRY);
+                    request.timeout_ms = budget_ms(deadline);
+                    payload = request.encode().into();
                 }
                 Err(err) => return Err(err),
             }
@@ -310,18 +314,16 @@ impl Inner {
                 node: None,
             };
         };
-        let mut lanes = lock(&self.node_lanes);
-        let (target, lane) = lanes.entry(node.clone()).or_insert_with(|| {
-            let target = NodeTarget {
-                subject: self.subjects.node(&node),
-                name: node,
-            };
-            (target, LaneRef::default())
-        });
-        Route {
-            lane: lane.clone(),
-            node: Some(target.clone()),
-        }
+        lock(&self.node_lanes)
+            .entry(node.clone())
+            .or_insert_with(|| Route {
+                lane: LaneRef::default(),
+                node: Some(NodeTarget {
+                    subject: self.subjects.node(&node),
+                    name: node,
+                }),
+            })
+            .clone()
     }
 
     /// Goes alone when the call's lane is idle; otherwise waits to leave with
@@ -413,7 +415,7 @@ impl Inner {
             .map(|q| Request::new(budget_ms(q.deadline), q.op.clone()))
             .collect();
         let request = Request::new(budget_ms(deadline), Op::Batch(items));
-        let payload = request.encode();
+        let payload: Bytes = request.encode().into();
         if payload.len() > MAX_REQUEST_BYTES {
             // Too large for one message: two halves, each as small as it needs.
             let second = batch.split_off(batch.len() / 2);
@@ -425,10 +427,13 @@ impl Inner {
         }
         let result = match node {
             Some(node) => self
-                .send_once(&node.subject, payload.into(), deadline)
+                .send_once(&node.subject, payload, deadline)
                 .await
                 .map(|reply| reply.body),
-            None => self.send_request(batch[0].shard, request, deadline).await,
+            None => {
+                self.send_request(batch[0].shard, request, payload, deadline)
+                    .await
+            }
         };
         match result {
             Ok(ReplyBody::Batch(replies)) if replies.len() == batch.len() => {
@@ -455,21 +460,19 @@ impl Inner {
                     let _ = q.reply.send(Err(StoreError::BadReply(why.clone())));
                 }
             }
-            Err(StoreError::NoResponders) if node.is_some() => {
-                // The node is gone, and nothing was applied: every call goes
-                // to its shard's subject, which finds the new owner.
-                if let Some(node) = node {
-                    self.forget(&node.name, None);
-                }
-                batch.into_iter().for_each(|q| self.resend(q));
-            }
             Err(err) => {
                 if let Some(node) = node {
                     // A node that does not answer may have lost its shards.
                     self.forget(&node.name, None);
                 }
                 for q in batch {
-                    let _ = q.reply.send(Err(err.clone()));
+                    if node.is_some() && err == StoreError::NoResponders {
+                        // The node is gone and nothing was applied: to the
+                        // shard's subject, which finds the new owner.
+                        self.resend(q);
+                    } else {
+                        let _ = q.reply.send(Err(err.clone()));
+                    }
                 }
             }
         }

@@ -146,17 +146,24 @@ fn request_err(e: impl std::fmt::Display) -> KvError {
 /// fresh reader, while a load that streams messages is never cut short.
 const LOAD_IDLE: Duration = Duration::from_secs(5);
 
-/// `call`'s result, or an error naming `what` when it takes over [`LOAD_IDLE`].
-async fn answered<T, E: std::fmt::Display>(
-    what: &str,
+/// Runs one KV call within `bound`. A call on a connection that dropped
+/// midway (a key listing, an ordered consumer) may never finish; it fails
+/// instead, counted in `ankusa_kv_call_timeouts_total`, and its caller retries.
+pub async fn within<T, E: From<KvError>>(
+    bound: Duration,
     call: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, E> {
+    tokio::time::timeout(bound, call).await.unwrap_or_else(|_| {
+        metrics::counter!("ankusa_kv_call_timeouts_total").increment(1);
+        Err(KvError::Request(format!("no answer within {bound:?}")).into())
+    })
+}
+
+/// One step of a shard load, within [`LOAD_IDLE`].
+async fn load_step<T, E: std::fmt::Display>(
+    step: impl std::future::Future<Output = Result<T, E>>,
 ) -> Result<T, KvError> {
-    match tokio::time::timeout(LOAD_IDLE, call).await {
-        Ok(result) => result.map_err(request_err),
-        Err(_) => Err(KvError::Request(format!(
-            "{what}: no answer within {LOAD_IDLE:?}"
-        ))),
-    }
+    within(LOAD_IDLE, step.map(|r| r.map_err(request_err))).await
 }
 
 /// One write to a KV key: a put (with TTL) or a purge.
@@ -409,11 +416,7 @@ impl FleetKv {
     /// bucket keys, and the one-key-per-claim records that nodes before the log
     /// wrote (`c.<shard>.*`), so such a node's claims survive an upgrade.
     pub async fn load_shard(&self, shard: u32) -> Result<Vec<TenantSnapshot>, KvError> {
-        let stream = answered(
-            "the state stream",
-            self.js.get_stream(format!("KV_{}", self.state_bucket)),
-        )
-        .await?;
+        let stream = load_step(self.js.get_stream(format!("KV_{}", self.state_bucket))).await?;
         let prefix = format!("$KV.{}.", self.state_bucket);
         let consumer = stream.create_consumer(consumer::pull::OrderedConfig {
             filter_subjects: vec![
@@ -426,8 +429,8 @@ impl FleetKv {
             deliver_policy: consumer::DeliverPolicy::All,
             ..Default::default()
         });
-        let mut consumer = answered("a reader of the state stream", consumer).await?;
-        let info = answered("the reader's info", consumer.info()).await?;
+        let mut consumer = load_step(consumer).await?;
+        let info = load_step(consumer.info()).await?;
         // The server would reap the consumer once idle; until then it filters every
         // write to the stream, so it goes as soon as the load is done.
         let mut reader = info.name.clone();
@@ -437,10 +440,8 @@ impl FleetKv {
         }
         let now_us = now_unix_us();
         let mut state = Replay::new(shard);
-        let mut messages = answered("the reader's messages", consumer.messages()).await?;
-        while let Some(message) =
-            answered("the next message", messages.next().map(Ok::<_, KvError>)).await?
-        {
+        let mut messages = load_step(consumer.messages()).await?;
+        while let Some(message) = within(LOAD_IDLE, messages.next().map(Ok::<_, KvError>)).await? {
             let message = message.map_err(request_err)?;
             let left = match message.info() {
                 Ok(info) => {
@@ -798,10 +799,7 @@ async fn commit_loop(
                     }
                 }
                 for id in ready {
-                    if let Some((write, waiters)) = logs.next_message(id) {
-                        let acked = publish(&js, write, waiters, id).await;
-                        acks.push(acked);
-                    }
+                    send_next(&js, &mut logs, id, &mut acks).await;
                 }
                 metrics::gauge!("ankusa_kv_writes_in_flight").set(acks.len() as f64);
             }
@@ -809,13 +807,24 @@ async fn commit_loop(
                 if let Some(log) = logs.logs.get_mut(&id) {
                     log.in_flight = false;
                 }
-                if let Some((write, waiters)) = logs.next_message(id) {
-                    let acked = publish(&js, write, waiters, id).await;
-                    acks.push(acked);
-                }
+                send_next(&js, &mut logs, id, &mut acks).await;
                 metrics::gauge!("ankusa_kv_writes_in_flight").set(acks.len() as f64);
             }
         }
+    }
+}
+
+/// Publishes log `id`'s next message, if it has one to send now, and adds
+/// its ack to those awaited.
+async fn send_next(
+    js: &jetstream::Context,
+    logs: &mut ClaimLogs,
+    id: u32,
+    acks: &mut FuturesUnordered<BoxFuture<'static, u32>>,
+) {
+    if let Some((write, waiters)) = logs.next_message(id) {
+        let acked = publish(js, write, waiters, id).await;
+        acks.push(acked);
     }
 }
 

@@ -263,10 +263,12 @@ async fn run(
             count(&body);
             metrics::histogram!("ankusa_request_duration_seconds", "op" => op)
                 .record(received.elapsed().as_secs_f64());
-            let reply = Reply::new(body).from_node(node.as_deref());
-            if let Err(err) = client.publish(reply_to, reply.encode().into()).await {
-                tracing::debug!(error = %err, "reply not sent");
-            }
+            send_reply(
+                &client,
+                reply_to,
+                Reply::new(body).from_node(node.as_deref()),
+            )
+            .await;
             drop(guard);
         });
     }
@@ -313,12 +315,14 @@ struct RoutedAnswer {
 }
 
 impl RoutedAnswer {
-    fn unrouted(body: ReplyBody) -> Self {
-        Self {
+    /// An answer known at once, held by no shard.
+    fn unrouted(body: ReplyBody) -> BoxFuture<'static, Self> {
+        futures::future::ready(Self {
             body,
             window: None,
             _in_flight: None,
-        }
+        })
+        .boxed()
     }
 
     /// The body to send: an error if the shard's lease lapsed meanwhile, since
@@ -366,7 +370,7 @@ async fn run_node(
             }
             Err(err) => {
                 let body = ReplyBody::Error(err.into());
-                let answer = futures::future::ready(RoutedAnswer::unrouted(body)).boxed();
+                let answer = RoutedAnswer::unrouted(body);
                 let lone = answer_lone(client.clone(), reply_to, answer, in_flight.enter());
                 tokio::spawn(lone);
                 continue;
@@ -389,12 +393,7 @@ async fn run_node(
             count(&body);
             metrics::histogram!("ankusa_request_duration_seconds", "op" => "node_batch")
                 .record(received.elapsed().as_secs_f64());
-            if let Err(err) = client
-                .publish(reply_to, Reply::new(body).encode().into())
-                .await
-            {
-                tracing::debug!(error = %err, "reply not sent");
-            }
+            send_reply(&client, reply_to, Reply::new(body)).await;
             drop(guard);
         });
     }
@@ -411,13 +410,16 @@ async fn answer_lone(
 ) {
     let body = answer.await.into_body();
     count(&body);
-    if let Err(err) = client
-        .publish(reply_to, Reply::new(body).encode().into())
-        .await
-    {
+    send_reply(&client, reply_to, Reply::new(body)).await;
+    drop(in_flight);
+}
+
+/// Publishes a reply; one that cannot be sent is only logged (the caller's
+/// deadline tells it).
+async fn send_reply(client: &async_nats::Client, reply_to: async_nats::Subject, reply: Reply) {
+    if let Err(err) = client.publish(reply_to, reply.encode().into()).await {
         tracing::debug!(error = %err, "reply not sent");
     }
-    drop(in_flight);
 }
 
 /// Hands one request to the shard its tenant belongs to, if this node serves it.
@@ -427,11 +429,10 @@ fn route(
     received: Instant,
 ) -> BoxFuture<'static, RoutedAnswer> {
     let not_here = |message: String| {
-        futures::future::ready(RoutedAnswer::unrouted(ReplyBody::Error(ErrorReply::new(
+        RoutedAnswer::unrouted(ReplyBody::Error(ErrorReply::new(
             ErrorCode::WrongNode,
             message,
-        ))))
-        .boxed()
+        )))
     };
     let Some(tenant) = request.tenant() else {
         // Only a batch has no tenant, and a batch inside a batch does not decode.
@@ -439,7 +440,7 @@ fn route(
             ErrorCode::Malformed,
             "a batch inside a batch",
         ));
-        return futures::future::ready(RoutedAnswer::unrouted(body)).boxed();
+        return RoutedAnswer::unrouted(body);
     };
     let shard = shard_of(tenant, table.0.shards);
     let served = table.0.served.read().unwrap_or_else(|p| p.into_inner());

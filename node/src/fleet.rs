@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ankusa_actors::actor::{ShardConfig, TenantFailure};
-use ankusa_bus::kv::{FleetKv, Heartbeat, KvError, KvWriter, LeaseError};
+use ankusa_bus::kv::{within, FleetKv, Heartbeat, KvWriter, LeaseError};
 use ankusa_bus::persist::Persistence;
 use ankusa_bus::responder::ServeWindow;
 use async_nats::jetstream::kv::Operation;
@@ -72,20 +72,6 @@ fn lease_valid_until(config: &NodeConfig, sent: Instant) -> std::time::Instant {
 /// The longest a shard's load from KV may take before the lease is given back
 /// and the load tried again.
 const LOAD_BOUND: Duration = Duration::from_secs(30);
-
-/// Runs one KV call of the ownership loop within `bound`. A call on a
-/// connection that dropped midway (a key listing, an ordered consumer) may
-/// never finish; it must fail its round, which the next round retries, rather
-/// than stop the loop for good.
-async fn within<T, E: From<KvError>>(
-    bound: Duration,
-    call: impl Future<Output = Result<T, E>>,
-) -> Result<T, E> {
-    tokio::time::timeout(bound, call).await.unwrap_or_else(|_| {
-        metrics::counter!("ankusa_kv_call_timeouts_total").increment(1);
-        Err(KvError::Request(format!("no answer within {bound:?}")).into())
-    })
-}
 
 /// A lease this node holds.
 struct Held {
