@@ -134,6 +134,8 @@ const FIRST_RETRY: Duration = Duration::from_millis(2);
 /// The granularity of tokio's timer.
 const TIMER_TICK: Duration = Duration::from_millis(1);
 const MAX_RETRY: Duration = Duration::from_millis(50);
+/// The least budget a retry is sent with.
+const RETRY_ROUND_TRIP: Duration = Duration::from_millis(10);
 
 impl FleetStore {
     /// Builds the client. Returns at once: NATS is reached in the background, and
@@ -236,8 +238,15 @@ impl Inner {
                     self.learn(shard, reply.node.as_deref());
                     return Ok(reply.body);
                 }
-                Err(StoreError::NoResponders) if Instant::now() + pause < deadline => {
-                    tokio::time::sleep(pause).await;
+                Err(StoreError::NoResponders) => {
+                    // A retry keeps time for its own round trip: one squeezed into
+                    // the budget's last moment would time out, and the caller would
+                    // hear "timeout" where "no responders" was what was known.
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left <= RETRY_ROUND_TRIP {
+                        return Err(StoreError::NoResponders);
+                    }
+                    tokio::time::sleep(pause.min(left - RETRY_ROUND_TRIP)).await;
                     pause = (pause * 2).min(MAX_RETRY);
                     request.timeout_ms = budget_ms(deadline);
                     payload = request.encode().into();
