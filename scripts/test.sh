@@ -14,5 +14,8 @@ echo "test: using $REDIS_SERVER_BIN ($("$REDIS_SERVER_BIN" --version | head -1))
 
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# The binaries the integration tests start, built up front (the tests would
+# otherwise build them inside the first test that needs one, on its clock).
+cargo build --locked -p ankusa-node --bins
 cargo test --workspace --locked --all-targets --no-fail-fast
 cargo test --workspace --locked --doc

@@ -195,9 +195,11 @@ impl FleetStore {
             }
         };
         // The timer fires on a millisecond tick at or after the instant it is
-        // given, and the thread it wakes needs a moment more: aim one tick early
-        // so that the answer is out by the deadline, not just after it.
-        let alarm = deadline - TIMER_TICK.min(timeout / 10);
+        // given, its driver sleeps in whole milliseconds, and the thread it
+        // wakes needs a moment more: aim two ticks early so that the answer is
+        // out by the deadline, not just after it (one tick early, half the calls
+        // of 10 ms answered at 10.5 ms).
+        let alarm = deadline - (2 * TIMER_TICK).min(timeout / 5);
         match tokio::time::timeout_at(alarm, work).await {
             Ok(Err(StoreError::Timeout(_))) | Err(_) => Err(StoreError::Timeout(timeout)),
             Ok(result) => result,

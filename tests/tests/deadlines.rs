@@ -2,42 +2,25 @@
 //! timeout plus 5 ms, 1000 calls in a row. Alone in its test binary so that no
 //! other test's processes compete for the CPU while it measures.
 //!
-//! Time in which the OS ran no thread of this process at all (measured by
-//! [`History::spawn_stall_monitor`]) is not the client's to answer for and is
-//! taken out of each call's figure; the raw figure is printed beside it. A
-//! client that overran its deadline would still be caught: its own tasks
-//! running late does not count as a stall. The test also raises its own
-//! scheduling priority where it may (as root), so that unrelated processes on a
-//! shared machine do not delay its threads' wake-ups; the bound is unchanged.
+//! A shared or virtual machine can wake any timer late: a vCPU that went idle
+//! waits for the hypervisor, a busy neighbour holds the core. That is not the
+//! client's to answer for, so each call is raced against a plain tokio timer
+//! set to the same deadline, started with it on the same task, and the client
+//! answers for the time it took beyond the later of the deadline and that
+//! timer's wake-up. A client that overran its deadline would still be caught:
+//! the plain timer does not wait for the client's work. Half the calls must
+//! also end within the budget itself, so that a host which delays every timer
+//! does not make the test vacuous. The raw figures are printed beside it.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ankusa_actors::HitOutcome;
 use ankusa_bus::{FleetConfig, FleetStore, NatsOptions, Store, StoreError};
-use ankusa_tests::history::History;
 use ankusa_tests::requests::hit;
 use ankusa_tests::{wait_until, NatsServer, NodeProcess, NodeSpec};
 
-/// Raises the calling thread's priority (threads it starts inherit it); a
-/// no-op where that is not allowed.
-fn raise_priority() {
-    let tid = std::fs::read_link("/proc/thread-self")
-        .ok()
-        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()));
-    if let Some(tid) = tid {
-        let raised = std::process::Command::new("renice")
-            .args(["-n", "-10", "-p", &tid])
-            .output()
-            .is_ok_and(|o| o.status.success());
-        println!("scheduling priority raised: {raised}");
-    }
-}
-
 #[test]
 fn a_paused_node_costs_each_call_its_timeout_and_no_more() {
-    raise_priority();
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -57,63 +40,78 @@ async fn paused_node_calls() {
 
     let timeout = Duration::from_millis(10);
     let slack = Duration::from_millis(5);
-    let history = Arc::new(History::new());
-    let stop = Arc::new(AtomicBool::new(false));
-    let monitor = history.spawn_stall_monitor(
-        stop.clone(),
-        Duration::from_millis(2),
-        Duration::from_secs(120),
-    );
     let streams = (0..2).map(|s| {
         let store = store.clone();
-        let history = history.clone();
         async move {
             let mut calls = Vec::with_capacity(500);
             for i in 0..500 {
-                let invoked = history.now();
-                let result = store
-                    .hit(hit("acme", &format!("p{s}-{i}"), "h"), timeout)
-                    .await;
-                calls.push((invoked, history.now()));
+                let invoked = Instant::now();
+                let call = async {
+                    let result = store
+                        .hit(hit("acme", &format!("p{s}-{i}"), "h"), timeout)
+                        .await;
+                    (result, Instant::now())
+                };
+                let reference = async {
+                    tokio::time::sleep(timeout).await;
+                    Instant::now()
+                };
+                let ((result, answered), woke) = tokio::join!(call, reference);
                 assert!(matches!(result, Err(StoreError::Timeout(_))), "{result:?}");
+                calls.push(Call {
+                    invoked,
+                    answered,
+                    woke,
+                });
             }
             calls
         }
     });
-    let calls: Vec<(u64, u64)> = futures::future::join_all(streams)
+    let calls: Vec<Call> = futures::future::join_all(streams)
         .await
         .into_iter()
         .flatten()
         .collect();
-    stop.store(true, Ordering::Relaxed);
-    let _ = monitor.join();
     node.resume().expect("SIGCONT");
 
-    let stalls = history.stalls();
-    let stalled_within = |(from, to): (u64, u64)| -> u64 {
-        stalls
-            .iter()
-            .map(|&(a, b)| b.min(to).saturating_sub(a.max(from)))
-            .sum()
+    let timeout_us = timeout.as_micros() as u64;
+    let took = |c: &Call| (c.answered - c.invoked).as_micros() as u64;
+    let late_by = |c: &Call| {
+        let deadline = c.invoked + timeout;
+        c.answered.saturating_duration_since(deadline.max(c.woke))
     };
-    let raw_worst = calls.iter().map(|&(a, b)| b - a).max().unwrap_or(0);
-    let worst = calls
+    let worst_late = calls.iter().map(late_by).max().unwrap_or_default();
+    let mut raw: Vec<u64> = calls.iter().map(took).collect();
+    raw.sort_unstable();
+    let woken_late = calls
         .iter()
-        .map(|&c| (c.1 - c.0).saturating_sub(stalled_within(c)))
-        .max()
-        .unwrap_or(0);
-    let worst = Duration::from_micros(worst);
+        .filter(|c| c.woke > c.invoked + timeout + slack)
+        .count();
     println!(
-        "1000 calls to a paused node, {timeout:?} budget: slowest {worst:?} (raw {:?}; {} process stalls, {:?} in all)",
-        Duration::from_micros(raw_worst),
-        stalls.len(),
-        Duration::from_micros(stalls.iter().map(|(a, b)| b - a).sum()),
+        "1000 calls to a paused node, {timeout:?} budget: took p50 {} us, p99 {} us, max {} us; \
+         latest answer {worst_late:?} after both the deadline and a plain timer set to it \
+         ({woken_late} such timers themselves woke more than {slack:?} late)",
+        raw[raw.len() / 2],
+        raw[raw.len() * 99 / 100],
+        raw[raw.len() - 1],
     );
     assert_eq!(calls.len(), 1000);
     assert!(
-        worst <= timeout + slack,
-        "slowest call took {worst:?} for a {timeout:?} budget"
+        raw[raw.len() / 2] <= timeout_us,
+        "half the calls took longer than their {timeout:?} budget"
     );
+    assert!(
+        worst_late <= slack,
+        "a call answered {worst_late:?} after its deadline and its reference timer"
+    );
+}
+
+/// One call's instants: when it was made, when it answered, and when a plain
+/// timer set to its deadline, started with it, woke.
+struct Call {
+    invoked: Instant,
+    answered: Instant,
+    woke: Instant,
 }
 
 const T: Duration = Duration::from_millis(500);
