@@ -250,6 +250,27 @@ impl FleetKv {
         })
     }
 
+    /// Each of the instance's buckets with its replica count, as JetStream
+    /// reports it now.
+    pub async fn bucket_replicas(&self) -> Result<Vec<(String, usize)>, KvError> {
+        let mut out = Vec::new();
+        for bucket in [&self.state_bucket, &self.leases_bucket, &self.nodes_bucket] {
+            let store = self
+                .js
+                .get_key_value(bucket)
+                .await
+                .map_err(|e| KvError::Open {
+                    bucket: bucket.clone(),
+                    reason: e.to_string(),
+                })?;
+            out.push((
+                bucket.clone(),
+                store.stream.cached_info().config.num_replicas,
+            ));
+        }
+        Ok(out)
+    }
+
     async fn publish(&self, write: Write) -> Result<u64, PublishErrorKind> {
         let ack = self
             .js
@@ -492,6 +513,7 @@ async fn open_bucket(
     description: &str,
 ) -> Result<kv::Store, KvError> {
     if let Ok(store) = js.get_key_value(bucket).await {
+        warn_if_replicas_differ(&store, replicas);
         return Ok(store);
     }
     let config = kv::Config {
@@ -512,6 +534,25 @@ async fn open_bucket(
             bucket: bucket.to_string(),
             reason: create_err.to_string(),
         }),
+    }
+}
+
+/// A bucket keeps the replica count it was created with: a node configured
+/// for more does not change it (operators do, with `nats stream edit`), so it
+/// says so, and exports the count, instead of running with less redundancy
+/// than its operator believes.
+fn warn_if_replicas_differ(store: &kv::Store, configured: usize) {
+    let actual = store.stream.cached_info().config.num_replicas;
+    metrics::gauge!("ankusa_kv_bucket_replicas", "bucket" => store.name.clone()).set(actual as f64);
+    if actual != configured.max(1) {
+        tracing::warn!(
+            bucket = %store.name,
+            actual,
+            configured,
+            "the KV bucket exists with {actual} replica(s), not the {configured} configured; \
+             it is used as it is (change it with `nats stream edit {} --replicas {configured}`)",
+            store.stream_name,
+        );
     }
 }
 

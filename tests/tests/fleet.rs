@@ -485,6 +485,48 @@ async fn a_node_subject_answers_for_its_own_shards_only_and_edges_batch_there() 
     burst(&store, "left").await;
 }
 
+/// A bucket keeps the replica count it was created with. A node configured
+/// for more serves with the bucket as it is, and says so in its log and its
+/// metrics, rather than leave its operator believing in a redundancy the
+/// fleet does not have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_says_when_its_buckets_have_fewer_replicas_than_configured() {
+    let nats = NatsServer::start().await.expect("nats");
+    let kv = kv(&nats).await;
+    let buckets = kv.bucket_replicas().await.expect("bucket info");
+    assert_eq!(
+        buckets,
+        ["state", "leases", "nodes"]
+            .map(|b| (format!("ankusa_test_{b}"), 1))
+            .to_vec()
+    );
+    let mut spec = NodeSpec::fleet("node-a", vec![nats.url()]);
+    spec.kv_replicas = 3;
+    let mut node = NodeProcess::start(spec).expect("node starts");
+    node.wait_ready(Duration::from_secs(20))
+        .await
+        .expect("node ready");
+    node.process()
+        .wait_for_log(
+            "exists with 1 replica(s), not the 3 configured",
+            Duration::from_secs(5),
+        )
+        .await
+        .expect("the node warns of the replica count");
+    assert_eq!(
+        node.metric("ankusa_kv_bucket_replicas{bucket=\"ankusa_test_state\"}")
+            .await,
+        Some(1.0)
+    );
+    let store = edge(&nats).await;
+    assert_eq!(
+        retry_until_ok(Duration::from_secs(10), || store
+            .hit(hit("acme", "replicas", "h1"), T))
+        .await,
+        Ok(HitOutcome::Ok)
+    );
+}
+
 /// 400 hits at once, over every shard; each must be answered `Ok`.
 async fn burst(store: &FleetStore, round: &str) {
     let calls = (0..400).map(|i| {
