@@ -42,6 +42,8 @@ use crate::persist::PersistError;
 pub enum KvError {
     #[error("opening bucket {bucket}: {reason}")]
     Open { bucket: String, reason: String },
+    #[error("bucket {bucket} does not exist: no node of this instance has run on this NATS (check the instance name)")]
+    Missing { bucket: String },
     #[error("KV request failed: {0}")]
     Request(String),
     #[error("stored value under {key} is unreadable: {reason}")]
@@ -225,6 +227,22 @@ impl FleetKv {
         instance: &str,
         replicas: usize,
     ) -> Result<Self, KvError> {
+        Self::open_with(client, instance, Some(replicas)).await
+    }
+
+    /// Opens the instance's buckets only if they exist: for tools that look,
+    /// so that a mistyped instance name is an error, not three new buckets.
+    pub async fn bind(client: async_nats::Client, instance: &str) -> Result<Self, KvError> {
+        Self::open_with(client, instance, None).await
+    }
+
+    /// `create`: the replicas to create missing buckets with, or `None` to
+    /// refuse missing buckets.
+    async fn open_with(
+        client: async_nats::Client,
+        instance: &str,
+        create: Option<usize>,
+    ) -> Result<Self, KvError> {
         let js = jetstream::new(client);
         let state_bucket = format!("ankusa_{instance}_state");
         let leases_bucket = format!("ankusa_{instance}_leases");
@@ -232,14 +250,12 @@ impl FleetKv {
         open_bucket(
             &js,
             &state_bucket,
-            replicas,
+            create,
             "ankusa-fleet claims and bucket TATs",
         )
         .await?;
-        let leases =
-            open_bucket(&js, &leases_bucket, replicas, "ankusa-fleet shard leases").await?;
-        let nodes =
-            open_bucket(&js, &nodes_bucket, replicas, "ankusa-fleet node heartbeats").await?;
+        let leases = open_bucket(&js, &leases_bucket, create, "ankusa-fleet shard leases").await?;
+        let nodes = open_bucket(&js, &nodes_bucket, create, "ankusa-fleet node heartbeats").await?;
         Ok(Self {
             js,
             state_bucket,
@@ -509,13 +525,30 @@ impl FleetKv {
 async fn open_bucket(
     js: &jetstream::Context,
     bucket: &str,
-    replicas: usize,
+    create: Option<usize>,
     description: &str,
 ) -> Result<kv::Store, KvError> {
-    if let Ok(store) = js.get_key_value(bucket).await {
-        warn_if_replicas_differ(&store, replicas);
-        return Ok(store);
-    }
+    let found = js.get_key_value(bucket).await;
+    let replicas = match (found, create) {
+        (Ok(store), create) => {
+            if let Some(replicas) = create {
+                warn_if_replicas_differ(&store, replicas);
+            }
+            return Ok(store);
+        }
+        (Err(err), None) if is_missing_stream(&err) => {
+            return Err(KvError::Missing {
+                bucket: bucket.to_string(),
+            })
+        }
+        (Err(err), None) => {
+            return Err(KvError::Open {
+                bucket: bucket.to_string(),
+                reason: err.to_string(),
+            })
+        }
+        (Err(_), Some(replicas)) => replicas,
+    };
     let config = kv::Config {
         bucket: bucket.to_string(),
         description: description.to_string(),
@@ -535,6 +568,18 @@ async fn open_bucket(
             reason: create_err.to_string(),
         }),
     }
+}
+
+/// Whether getting a bucket failed because its stream does not exist (and not
+/// because JetStream did not answer).
+fn is_missing_stream(err: &jetstream::context::KeyValueError) -> bool {
+    use jetstream::context::{GetStreamError, GetStreamErrorKind};
+    std::error::Error::source(err)
+        .and_then(|source| source.downcast_ref::<GetStreamError>())
+        .is_some_and(|get| {
+            matches!(get.kind(), GetStreamErrorKind::JetStream(e)
+                if e.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND)
+        })
 }
 
 /// A bucket keeps the replica count it was created with: a node configured

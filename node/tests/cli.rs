@@ -185,4 +185,19 @@ fn calls_against_a_standalone_node() {
     let said = String::from_utf8_lossy(&none.stderr);
     assert!(said.contains("code no_responders"), "{said}");
     assert!(start.elapsed() < Duration::from_secs(5));
+
+    // Status only looks: an instance no node has run is an error, twice over,
+    // since the first look did not create its buckets.
+    for _ in 0..2 {
+        let status = Command::new(env!("CARGO_BIN_EXE_ankusa"))
+            .args(["--nats", &nats, "--instance", "nobody", "status"])
+            .output()
+            .expect("ankusa runs");
+        assert_eq!(status.status.code(), Some(1), "{status:?}");
+        let said = String::from_utf8_lossy(&status.stderr);
+        assert!(
+            said.contains("ankusa_nobody_state does not exist"),
+            "{said}"
+        );
+    }
 }

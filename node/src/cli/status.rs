@@ -153,7 +153,7 @@ pub async fn collect(global: &Global) -> Result<FleetStatus, CliError> {
     let client = global
         .nats_client(global.timeout(Duration::from_secs(3)))
         .await?;
-    let kv = FleetKv::open(client, &global.instance, 1).await?;
+    let kv = FleetKv::bind(client, &global.instance).await?;
     let beats: Vec<Heartbeat> = kv.live_nodes().await?;
     let holders: HashMap<u32, String> = kv.lease_holders().await?;
     let mut by_node: BTreeMap<String, Vec<u32>> = BTreeMap::new();
