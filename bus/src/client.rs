@@ -16,6 +16,7 @@
 //!   shard's subject; a node that stops answering is forgotten for every shard.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -43,7 +44,8 @@ pub struct FleetConfig {
     pub batching: bool,
     /// With batching: send batches to the node serving their shards (on the
     /// node's subject), not shard by shard. Off where the edge may not publish
-    /// to `ankusa.<instance>.node.*`.
+    /// to `ankusa.<instance>.node.*`; an edge that [`FleetStore::connect`]ed
+    /// turns it off by itself when the server reports such a violation.
     pub node_batches: bool,
     /// Most calls in one batch.
     pub max_batch: usize,
@@ -117,6 +119,8 @@ struct Inner {
     shards: u32,
     batching: bool,
     node_batches: bool,
+    /// Set once the server refused this edge a publish on a node subject.
+    node_subjects_denied: Arc<AtomicBool>,
     max_batch: usize,
     shard_lanes: Vec<LaneRef>,
     /// The node each shard was last answered by, learned from its replies.
@@ -145,15 +149,30 @@ impl FleetStore {
         if config.shards == 0 || config.shards > MAX_SHARDS {
             return Err(ClientConfigError::Shards(config.shards));
         }
-        let client = config.nats.connect().await?;
-        Ok(Self::with_client(client, &subjects, &config))
+        let denied = Arc::new(AtomicBool::new(false));
+        let client = config
+            .nats
+            .connect_with_events(watch_node_denials(&subjects, denied.clone()))
+            .await?;
+        Ok(Self::build(client, &subjects, &config, denied))
     }
 
-    /// Builds the client on a connection the caller already has.
+    /// Builds the client on a connection the caller already has. Its events
+    /// are the caller's: node batching stays as configured, whatever the
+    /// server's permissions.
     pub fn with_client(
         client: async_nats::Client,
         subjects: &Subjects,
         config: &FleetConfig,
+    ) -> Self {
+        Self::build(client, subjects, config, Arc::default())
+    }
+
+    fn build(
+        client: async_nats::Client,
+        subjects: &Subjects,
+        config: &FleetConfig,
+        node_subjects_denied: Arc<AtomicBool>,
     ) -> Self {
         let shards = config.shards.clamp(1, MAX_SHARDS);
         Self {
@@ -164,6 +183,7 @@ impl FleetStore {
                 shards,
                 batching: config.batching,
                 node_batches: config.node_batches,
+                node_subjects_denied,
                 max_batch: config.max_batch.clamp(1, MAX_BATCH),
                 shard_lanes: (0..shards).map(|_| LaneRef::default()).collect(),
                 owners: (0..shards).map(|_| Mutex::default()).collect(),
@@ -203,6 +223,31 @@ impl FleetStore {
         match tokio::time::timeout_at(alarm, work).await {
             Ok(Err(StoreError::Timeout(_))) | Err(_) => Err(StoreError::Timeout(timeout)),
             Ok(result) => result,
+        }
+    }
+}
+
+/// An event handler that sets `denied` (once, with a warning) when the server
+/// refuses this edge a publish on one of the instance's node subjects: an edge
+/// whose NATS permissions predate node batches then batches per shard, as
+/// before, instead of losing a batch to a timeout every time it learns a node.
+fn watch_node_denials(
+    subjects: &Subjects,
+    denied: Arc<AtomicBool>,
+) -> impl Fn(async_nats::Event) + Send + Sync + 'static {
+    let node_subjects = subjects.node("");
+    move |event| {
+        let async_nats::Event::ServerError(async_nats::ServerError::Other(error)) = event else {
+            return;
+        };
+        let refused =
+            error.contains("Permissions Violation for Publish") && error.contains(&node_subjects);
+        if refused && !denied.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                %error,
+                "this edge may not publish to {node_subjects}*: batches go shard by shard \
+                 from now on (grant the subjects, see docs/security.md, or set node_batches = false)"
+            );
         }
     }
 }
@@ -294,7 +339,7 @@ impl Inner {
 
     /// Remembers which node answered for `shard`.
     fn learn(&self, shard: usize, node: Option<&str>) {
-        let Some(node) = node.filter(|_| self.node_batches) else {
+        let Some(node) = node.filter(|_| self.node_batches()) else {
             return;
         };
         let mut owner = lock(&self.owners[shard]);
@@ -317,9 +362,17 @@ impl Inner {
         }
     }
 
+    /// Whether batches go to nodes: configured so, and not refused by the server.
+    fn node_batches(&self) -> bool {
+        self.node_batches && !self.node_subjects_denied.load(Ordering::Relaxed)
+    }
+
     /// The lane a call for `shard` queues on.
     fn route(&self, shard: usize) -> Route {
-        let Some(node) = lock(&self.owners[shard]).clone() else {
+        let node = lock(&self.owners[shard])
+            .clone()
+            .filter(|_| self.node_batches());
+        let Some(node) = node else {
             return Route {
                 lane: self.shard_lanes[shard].clone(),
                 node: None,
@@ -409,6 +462,11 @@ impl Inner {
     /// Sends `batch` to `node`'s subject, or to its first call's shard subject
     /// when the node is not known (every call is then for that shard).
     async fn send_batch(self: &Arc<Self>, node: Option<&NodeTarget>, mut batch: Vec<Queued>) {
+        if node.is_some() && !self.node_batches() {
+            // Node subjects were refused since this batch queued for one.
+            batch.into_iter().for_each(|q| self.resend(q));
+            return;
+        }
         if batch.len() == 1 {
             if let Some(q) = batch.pop() {
                 let result = self.send(q.shard, q.op, q.deadline).await;

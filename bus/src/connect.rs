@@ -154,8 +154,21 @@ impl NatsOptions {
 
     /// A client that is returned at once and connects in the background.
     pub async fn connect(&self) -> Result<async_nats::Client, ConnectError> {
+        self.connect_with_events(|_| {}).await
+    }
+
+    /// [`NatsOptions::connect`], with `on_event` told of each connection event
+    /// (disconnects, server errors such as permission violations, ...).
+    pub async fn connect_with_events(
+        &self,
+        on_event: impl Fn(async_nats::Event) + Send + Sync + 'static,
+    ) -> Result<async_nats::Client, ConnectError> {
         let addrs = self.server_addrs()?;
-        let opts = self.connect_options().await?;
+        let on_event = std::sync::Arc::new(on_event);
+        let opts = self.connect_options().await?.event_callback(move |event| {
+            on_event(event);
+            std::future::ready(())
+        });
         opts.connect(addrs)
             .await
             .map_err(|e| ConnectError::Client(e.to_string()))

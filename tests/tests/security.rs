@@ -7,7 +7,9 @@
 //!   or with wrong credentials never reaches the fleet (`Disconnected`, and the
 //!   degrading edge answers locally); an authenticated user without publish
 //!   rights on the shard subjects never gets an answer; an edge cannot pose as a
-//!   node or write the instance's KV;
+//!   node or write the instance's KV; an edge whose rights predate node
+//!   batches (shard subjects only) turns them off when the server refuses one,
+//!   and its calls are answered again;
 //! - token and nkey authentication;
 //! - TLS with a private CA, and client certificates (`verify: true`).
 
@@ -146,6 +148,72 @@ fn violations(nats: &NatsServer) -> Vec<String> {
         .filter(|l| l.contains(" Violation - "))
         .map(str::to_string)
         .collect()
+}
+
+/// `count` hits on as many tenants at once; how many were answered `Ok`.
+async fn burst(store: &FleetStore, round: &str, count: usize) -> usize {
+    let calls = (0..count).map(|i| store.hit(hit(&format!("t{i}"), round, "h"), T));
+    futures::future::join_all(calls)
+        .await
+        .into_iter()
+        .filter(|r| r == &Ok(HitOutcome::Ok))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edge_allowed_only_shard_subjects_stops_batching_to_nodes() {
+    let old_edge = r#"    { user = "old-edge", password = "old-edge-pw", permissions = { publish = { allow = ["ankusa.prod.shard.*"] }, subscribe = { allow = ["_INBOX.>"] } } }"#;
+    let nats = NatsServer::start_with(ServerConfig::new().append(&permissions_conf(old_edge)))
+        .await
+        .expect("nats-server with the deploy permissions starts");
+    let url = nats.url();
+    let _node = start_node(node_spec(
+        "n1",
+        &url,
+        "fleet",
+        &[
+            "--nats-user",
+            "ankusa-node",
+            "--nats-password",
+            NODE_PASSWORD,
+        ],
+    ))
+    .await;
+    let edge = store(options(&url, |o| {
+        o.user = Some("old-edge".into());
+        o.password = Some("old-edge-pw".into());
+    }))
+    .await;
+    wait_connected(&edge).await;
+    // Lone calls go to shard subjects; their replies name the node.
+    for i in 0..32 {
+        let got = edge.hit(hit(&format!("t{i}"), "learn", "h"), T).await;
+        assert_eq!(got, Ok(HitOutcome::Ok));
+    }
+    // The first burst is batched to the node's subject, which the server
+    // refuses: those calls time out, once.
+    burst(&edge, "first", 32).await;
+    let refused =
+        format!("user:old-edge\" - Publish Violation - Subject \"ankusa.{INSTANCE}.node.n1\"");
+    assert!(
+        violations(&nats).iter().any(|l| l.contains(&refused)),
+        "the edge never tried the node subject: {}",
+        nats.log_tail(20)
+    );
+    // From then on its batches go shard by shard, and every call is answered.
+    for round in ["second", "third"] {
+        let started = Instant::now();
+        assert_eq!(burst(&edge, round, 32).await, 32, "round {round}");
+        assert!(started.elapsed() < T, "round {round} waited for timeouts");
+    }
+    let refusals = violations(&nats)
+        .iter()
+        .filter(|l| l.contains(&refused))
+        .count();
+    assert_eq!(
+        refusals, 1,
+        "the edge went on publishing to the node subject"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
