@@ -85,6 +85,28 @@ async fn start_node(spec: NodeSpec) -> NodeProcess {
     node
 }
 
+/// A fleet node connected as the file's `ankusa-node` user.
+async fn fleet_node_as_node_user(id: &str, url: &str) -> NodeProcess {
+    let auth = [
+        "--nats-user",
+        "ankusa-node",
+        "--nats-password",
+        NODE_PASSWORD,
+    ];
+    start_node(node_spec(id, url, "fleet", &auth)).await
+}
+
+/// An edge connected as `user`.
+async fn edge_as(url: &str, user: &str, password: &str) -> FleetStore {
+    let edge = store(options(url, |o| {
+        o.user = Some(user.into());
+        o.password = Some(password.into());
+    }))
+    .await;
+    wait_connected(&edge).await;
+    edge
+}
+
 /// The full round of a hook: Ok, commit, then Duplicate for a replay.
 async fn round_trip(store: &FleetStore, tenant: &str, key: &str) {
     assert_eq!(
@@ -167,24 +189,8 @@ async fn an_edge_allowed_only_shard_subjects_stops_batching_to_nodes() {
         .await
         .expect("nats-server with the deploy permissions starts");
     let url = nats.url();
-    let _node = start_node(node_spec(
-        "n1",
-        &url,
-        "fleet",
-        &[
-            "--nats-user",
-            "ankusa-node",
-            "--nats-password",
-            NODE_PASSWORD,
-        ],
-    ))
-    .await;
-    let edge = store(options(&url, |o| {
-        o.user = Some("old-edge".into());
-        o.password = Some("old-edge-pw".into());
-    }))
-    .await;
-    wait_connected(&edge).await;
+    let _node = fleet_node_as_node_user("n1", &url).await;
+    let edge = edge_as(&url, "old-edge", "old-edge-pw").await;
     // Lone calls go to shard subjects; their replies name the node.
     for i in 0..32 {
         let got = edge.hit(hit(&format!("t{i}"), "learn", "h"), T).await;
@@ -226,25 +232,9 @@ async fn the_documented_permissions_let_node_and_edge_work_and_nobody_else() {
 
     // The node in fleet mode: subjects, KV buckets, leases, heartbeats, all
     // within the rights the file gives it.
-    let mut node = start_node(node_spec(
-        "secure",
-        &url,
-        "fleet",
-        &[
-            "--nats-user",
-            "ankusa-node",
-            "--nats-password",
-            NODE_PASSWORD,
-        ],
-    ))
-    .await;
+    let mut node = fleet_node_as_node_user("secure", &url).await;
 
-    let edge = store(options(&url, |o| {
-        o.user = Some("ankusa-edge".into());
-        o.password = Some(EDGE_PASSWORD.into());
-    }))
-    .await;
-    wait_connected(&edge).await;
+    let edge = edge_as(&url, "ankusa-edge", EDGE_PASSWORD).await;
     round_trip(&edge, "acme", "evt-1").await;
     round_trip(&edge, "other.tenant", "evt-2").await;
     let node_violations: Vec<_> = violations(&nats)
