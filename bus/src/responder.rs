@@ -22,6 +22,7 @@
 //! release waits for it as for its own requests.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::sync::{Arc, RwLock};
@@ -146,8 +147,7 @@ impl ShardTable {
 /// A running responder. Stopping it unsubscribes first, then waits for the
 /// answers already in flight, so nothing accepted is left unanswered.
 pub struct ShardResponder {
-    stop: watch::Sender<bool>,
-    task: JoinHandle<()>,
+    running: Running,
     /// Where it is entered, to leave on stop.
     entered: Option<(ShardTable, u32)>,
 }
@@ -165,13 +165,8 @@ impl ShardResponder {
             routing.table.enter(&ctx, &in_flight);
             (routing.table.clone(), ctx.shard)
         });
-        let (stop, stopped) = watch::channel(false);
-        let task = tokio::spawn(run(client, ctx, subscription, stopped, in_flight));
-        Ok(Self {
-            stop,
-            task,
-            entered,
-        })
+        let running = Running::spawn(|stopped| run(client, ctx, subscription, stopped, in_flight));
+        Ok(Self { running, entered })
     }
 
     /// Stops taking requests and waits (at most `grace`) for those in flight.
@@ -179,6 +174,30 @@ impl ShardResponder {
         if let Some((table, shard)) = &self.entered {
             table.leave(*shard);
         }
+        self.running.stop(grace).await;
+    }
+}
+
+/// A responder's task and the switch that stops it.
+struct Running {
+    stop: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl Running {
+    fn spawn<F: Future<Output = ()> + Send + 'static>(
+        run: impl FnOnce(watch::Receiver<bool>) -> F,
+    ) -> Self {
+        let (stop, stopped) = watch::channel(false);
+        Self {
+            stop,
+            task: tokio::spawn(run(stopped)),
+        }
+    }
+
+    /// Stops taking requests and waits (at most `grace`) for the answers in
+    /// flight.
+    async fn stop(self, grace: Duration) {
         let _ = self.stop.send(true);
         if tokio::time::timeout(grace, self.task).await.is_err() {
             tracing::warn!("responder did not finish its in-flight answers within {grace:?}");
@@ -280,8 +299,7 @@ async fn run(
 /// A node's responder on its own subject: batches whose items may be for any
 /// shard the node serves.
 pub struct NodeResponder {
-    stop: watch::Sender<bool>,
-    task: JoinHandle<()>,
+    running: Running,
 }
 
 impl NodeResponder {
@@ -292,17 +310,13 @@ impl NodeResponder {
         table: ShardTable,
     ) -> Result<Self, async_nats::SubscribeError> {
         let subscription = client.subscribe(subject).await?;
-        let (stop, stopped) = watch::channel(false);
-        let task = tokio::spawn(run_node(client, table, subscription, stopped));
-        Ok(Self { stop, task })
+        let running = Running::spawn(|stopped| run_node(client, table, subscription, stopped));
+        Ok(Self { running })
     }
 
     /// Stops taking requests and waits (at most `grace`) for those in flight.
     pub async fn stop(self, grace: Duration) {
-        let _ = self.stop.send(true);
-        if tokio::time::timeout(grace, self.task).await.is_err() {
-            tracing::warn!("node responder did not finish its answers within {grace:?}");
-        }
+        self.running.stop(grace).await;
     }
 }
 
