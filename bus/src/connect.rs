@@ -34,6 +34,10 @@ pub struct NatsOptions {
     pub require_tls: bool,
     /// Longest pause between reconnect attempts, ms.
     pub max_reconnect_delay_ms: u64,
+    /// Where answers come back (`<prefix>.<id>.*`) instead of the shared
+    /// `_INBOX`, so that a user whose subscriptions are limited to
+    /// `<prefix>.>` reads its own answers and nobody else's.
+    pub inbox_prefix: Option<String>,
 }
 
 impl Default for NatsOptions {
@@ -51,6 +55,7 @@ impl Default for NatsOptions {
             tls_key: None,
             require_tls: false,
             max_reconnect_delay_ms: 1000,
+            inbox_prefix: None,
         }
     }
 }
@@ -72,8 +77,21 @@ pub enum ConnectError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("inbox prefix `{0}`: one or more dot-separated tokens of printable characters, without `*` or `>`")]
+    BadInboxPrefix(String),
     #[error("NATS client: {0}")]
     Client(String),
+}
+
+/// A literal subject of one or more tokens: what the client may put before
+/// `.<id>.*` and subscribe to.
+fn is_subject_prefix(prefix: &str) -> bool {
+    prefix.split('.').all(|token| {
+        !token.is_empty()
+            && token
+                .chars()
+                .all(|c| c.is_ascii_graphic() && c != '*' && c != '>')
+    })
 }
 
 impl NatsOptions {
@@ -137,6 +155,12 @@ impl NatsOptions {
         if let Some(name) = &self.name {
             opts = opts.name(name);
         }
+        if let Some(prefix) = &self.inbox_prefix {
+            if !is_subject_prefix(prefix) {
+                return Err(ConnectError::BadInboxPrefix(prefix.clone()));
+            }
+            opts = opts.custom_inbox_prefix(prefix.as_str());
+        }
         let max_delay = Duration::from_millis(self.max_reconnect_delay_ms.max(10));
         Ok(opts
             .require_tls(self.require_tls)
@@ -172,5 +196,20 @@ impl NatsOptions {
         opts.connect(addrs)
             .await
             .map_err(|e| ConnectError::Client(e.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_subject_prefix;
+
+    #[test]
+    fn an_inbox_prefix_is_a_literal_subject() {
+        for good in ["_INBOX_edge_eu1", "_INBOX.edge1", "a.b.c"] {
+            assert!(is_subject_prefix(good), "{good}");
+        }
+        for bad in ["", ".", "a.", ".a", "a..b", "a b", "a.*", ">", "a\tb"] {
+            assert!(!is_subject_prefix(bad), "{bad:?}");
+        }
     }
 }

@@ -157,6 +157,9 @@ pub struct Overrides {
     /// Refuse a NATS connection that is not TLS
     #[arg(long, env = "ANKUSA_NATS_REQUIRE_TLS")]
     pub nats_require_tls: Option<bool>,
+    /// Inbox prefix for the node's own requests (JetStream) instead of `_INBOX`
+    #[arg(long, env = "ANKUSA_NATS_INBOX_PREFIX")]
+    pub nats_inbox_prefix: Option<String>,
     /// NATS nkey seed (`SU...`) to authenticate with
     #[arg(long, env = "ANKUSA_NATS_NKEY_SEED", hide_env_values = true)]
     pub nats_nkey_seed: Option<String>,
@@ -275,6 +278,9 @@ impl NodeConfig {
             self.nats.tls_key = o.nats_tls_key.clone();
         }
         set(&mut self.nats.require_tls, &o.nats_require_tls);
+        if o.nats_inbox_prefix.is_some() {
+            self.nats.inbox_prefix = o.nats_inbox_prefix.clone();
+        }
         if o.nats_nkey_seed.is_some() {
             self.nats.nkey_seed = o.nats_nkey_seed.clone();
         }

@@ -9,7 +9,8 @@
 //!   rights on the shard subjects never gets an answer; an edge cannot pose as a
 //!   node or write the instance's KV; an edge whose rights predate node
 //!   batches (shard subjects only) turns them off when the server refuses one,
-//!   and its calls are answered again;
+//!   and its calls are answered again; an edge user limited to a private inbox
+//!   prefix is answered there, and only there;
 //! - token and nkey authentication;
 //! - TLS with a private CA, and client certificates (`verify: true`).
 
@@ -180,6 +181,60 @@ async fn burst(store: &FleetStore, round: &str, count: usize) -> usize {
         .into_iter()
         .filter(|r| r == &Ok(HitOutcome::Ok))
         .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edge_with_a_private_inbox_prefix_is_answered_there() {
+    let private = r#"    { user = "edge-eu1", password = "eu1-pw", permissions = { publish = { allow = ["ankusa.prod.shard.*", "ankusa.prod.node.*"] }, subscribe = { allow = ["_INBOX_edge_eu1.>"] } } }"#;
+    let nats = NatsServer::start_with(ServerConfig::new().append(&permissions_conf(private)))
+        .await
+        .expect("nats-server with the deploy permissions starts");
+    let url = nats.url();
+    let _node = fleet_node_as_node_user("n1", &url).await;
+    let login = |o: &mut NatsOptions| {
+        o.user = Some("edge-eu1".into());
+        o.password = Some("eu1-pw".into());
+    };
+    let edge = store(options(&url, |o| {
+        login(o);
+        o.inbox_prefix = Some("_INBOX_edge_eu1".into());
+    }))
+    .await;
+    wait_connected(&edge).await;
+    round_trip(&edge, "acme", "evt-private").await;
+    assert!(
+        !violations(&nats)
+            .iter()
+            .any(|l| l.contains("user:edge-eu1")),
+        "{}",
+        nats.log_tail(20)
+    );
+
+    // The same user on the shared inbox: its subscription is refused, so no
+    // answer ever reaches it.
+    let shared = store(options(&url, login)).await;
+    wait_connected(&shared).await;
+    let got = shared.hit(hit("acme", "evt-shared", "h"), T).await;
+    assert!(matches!(got, Err(StoreError::Timeout(_))), "{got:?}");
+    assert!(
+        violations(&nats).iter().any(|l| l.contains("user:edge-eu1")
+            && l.contains("Subscription Violation - Subject \"_INBOX.")),
+        "{}",
+        nats.log_tail(20)
+    );
+
+    // A prefix that is not a literal subject is refused before connecting.
+    let mut config = FleetConfig::new(
+        options(&url, |o| o.inbox_prefix = Some("_INBOX.*".into())),
+        INSTANCE,
+    );
+    config.shards = SHARDS;
+    assert!(matches!(
+        FleetStore::connect(config).await,
+        Err(ankusa_bus::client::ClientConfigError::Connect(
+            ankusa_bus::ConnectError::BadInboxPrefix(_)
+        ))
+    ));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -85,6 +85,9 @@ pub struct Global {
     /// CA certificate (PEM) to verify the NATS server
     #[arg(long, env = "ANKUSA_NATS_TLS_CA", global = true)]
     pub nats_tls_ca: Option<PathBuf>,
+    /// Inbox prefix for answers instead of `_INBOX`
+    #[arg(long, env = "ANKUSA_NATS_INBOX_PREFIX", global = true)]
+    pub nats_inbox_prefix: Option<String>,
 }
 
 impl Global {
@@ -97,6 +100,7 @@ impl Global {
             token: self.nats_token.clone(),
             creds_file: self.nats_creds.clone(),
             tls_ca: self.nats_tls_ca.clone(),
+            inbox_prefix: self.nats_inbox_prefix.clone(),
             ..NatsOptions::default()
         }
     }
