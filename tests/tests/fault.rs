@@ -27,7 +27,7 @@
 //!
 //! `ANKUSA_SOAK_SECS=<n>` repeats the fault cycle until n seconds have passed.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -365,22 +365,25 @@ async fn wait_for_degraded_edges(history: &History) {
         .unwrap_or(0);
     let until = last + RECOVERY_BOUND.as_micros() as u64;
     while history.now() < until {
-        let events = history.events();
-        let degraded = events
-            .iter()
-            .filter(|e| e.result.answered() == Some(Answered::Local))
-            .map(|e| e.client.as_str());
-        let back = |client: &str| {
-            events.iter().any(|e| {
-                e.client == client
-                    && e.invoked >= last
-                    && e.result.answered() == Some(Answered::Fleet)
-            })
-        };
-        if degraded.into_iter().all(back) {
+        // One pass over the history, with the clients waiting on its lock.
+        let all_back = history.with_events(|events| {
+            let (mut degraded, mut back) = (BTreeSet::new(), BTreeSet::new());
+            for e in events {
+                match e.result.answered() {
+                    Some(Answered::Local) => {
+                        degraded.insert(e.client.as_str());
+                    }
+                    Some(Answered::Fleet) if e.invoked >= last => {
+                        back.insert(e.client.as_str());
+                    }
+                    _ => {}
+                }
+            }
+            degraded.is_subset(&back)
+        });
+        if all_back {
             return;
         }
-        // A whole history is copied per look: not too often.
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
