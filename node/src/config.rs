@@ -30,6 +30,34 @@ pub enum LogFormat {
     Json,
 }
 
+/// `http_addr` as written, in the file as on the command line: an `IP:port`,
+/// or `off` (`none`, empty) for no endpoint.
+mod http_addr_text {
+    use std::net::SocketAddr;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn parse(text: &str) -> Result<Option<SocketAddr>, String> {
+        match text {
+            "" | "off" | "none" => Ok(None),
+            text => text.parse().map(Some).map_err(|e| format!("`{text}`: {e}")),
+        }
+    }
+
+    pub fn serialize<S: Serializer>(addr: &Option<SocketAddr>, out: S) -> Result<S::Ok, S::Error> {
+        match addr {
+            Some(addr) => out.collect_str(addr),
+            None => out.serialize_str("off"),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        input: D,
+    ) -> Result<Option<SocketAddr>, D::Error> {
+        parse(&String::deserialize(input)?).map_err(serde::de::Error::custom)
+    }
+}
+
 /// Everything a node is configured with. Field docs are the reference
 /// (`docs/configuration.md` mirrors them).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -59,7 +87,9 @@ pub struct NodeConfig {
     pub sweep_every_ms: u64,
     /// Requests one tenant may have queued before more are shed.
     pub tenant_queue: usize,
-    /// Where `/metrics`, `/healthz` and `/readyz` are served; empty to disable.
+    /// Where `/metrics`, `/healthz` and `/readyz` are served; `off` (or
+    /// `none`, or empty) to disable.
+    #[serde(with = "http_addr_text")]
     pub http_addr: Option<SocketAddr>,
     pub log_format: LogFormat,
     /// Log filter, as `RUST_LOG` (e.g. `info`, `ankusa=debug`).
@@ -295,13 +325,7 @@ impl NodeConfig {
         set(&mut self.log_format, &o.log_format);
         set(&mut self.log_level, &o.log_level);
         if let Some(addr) = &o.http_addr {
-            self.http_addr = match addr.as_str() {
-                "" | "off" | "none" => None,
-                text => Some(
-                    text.parse()
-                        .map_err(|e| invalid("http_addr", format!("`{text}`: {e}")))?,
-                ),
-            };
+            self.http_addr = http_addr_text::parse(addr).map_err(|e| invalid("http_addr", e))?;
         }
         Ok(())
     }
@@ -403,6 +427,38 @@ mod tests {
             config.nats.servers,
             vec!["nats://10.0.0.1:4222".to_string()]
         );
+    }
+
+    #[test]
+    fn the_http_endpoint_is_switched_off_in_the_file_as_on_the_flag() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("node.toml");
+        let load = |text: &str| {
+            std::fs::write(&path, text).unwrap();
+            NodeConfig::load(Some(&path), &Overrides::default())
+        };
+        assert_eq!(load("").unwrap().http_addr, NodeConfig::default().http_addr);
+        for off in ["off", "none", ""] {
+            let config = load(&format!("http_addr = \"{off}\"\n")).unwrap();
+            assert_eq!(config.http_addr, None, "{off:?}");
+        }
+        let config = load("http_addr = \"0.0.0.0:9100\"\n").unwrap();
+        assert_eq!(
+            config.http_addr,
+            Some(SocketAddr::from(([0, 0, 0, 0], 9100)))
+        );
+        let refused = load("http_addr = \"localhost:9100\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(refused.contains("localhost:9100"), "{refused}");
+        // What is written back reads the same.
+        let off = NodeConfig {
+            http_addr: None,
+            ..NodeConfig::default()
+        };
+        let text = toml::to_string(&off).unwrap();
+        assert!(text.contains("http_addr = \"off\""), "{text}");
+        assert_eq!(load(&text).unwrap(), off);
     }
 
     #[test]
