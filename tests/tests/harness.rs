@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use ankusa_tests::{ChildProcess, NatsCluster, NatsServer};
+use ankusa_tests::{wait_until, ChildProcess, NatsCluster, NatsServer};
 use async_nats::jetstream::{self, kv};
 use futures::StreamExt;
 
@@ -153,9 +153,14 @@ async fn cluster_of_three_replicates_kv_and_survives_a_kill() {
         .await
         .expect("create R3 bucket");
     assert_eq!(kv.status().await.unwrap().info.config.num_replicas, 3);
-    kv.put("a", "1".into())
-        .await
-        .expect("put on healthy cluster");
+    // A new replicated stream takes writes once its replicas have elected a
+    // leader, a moment after it is created; until then a publish finds no
+    // responder (`StreamNotFound` here).
+    wait_until(Duration::from_secs(10), || async {
+        kv.put("a", "1".into()).await.is_ok()
+    })
+    .await
+    .expect("put on healthy cluster");
 
     // Kill the member the client is connected to (the worst case for it).
     let connected = js.client().server_info().port;
