@@ -1,5 +1,7 @@
 //! Our own node processes: [`NodeProcess`] runs one `ankusa-node` on loopback
-//! with its HTTP port, and [`wait_until`] polls a condition with a bound.
+//! with its HTTP port, [`standalone_pair`] starts one with its nats-server,
+//! [`connected_edge`] is an edge client ready to call, and [`wait_until`]
+//! polls a condition with a bound.
 
 use std::future::Future;
 use std::process::Command;
@@ -154,6 +156,33 @@ impl NodeProcess {
     pub async fn kill(&mut self) -> Result<(), HarnessError> {
         self.process.kill().await.map(|_| ())
     }
+}
+
+/// A nats-server and a standalone node named `node_id` serving on it, ready.
+pub async fn standalone_pair(node_id: &str) -> (crate::NatsServer, NodeProcess) {
+    let nats = crate::NatsServer::start()
+        .await
+        .expect("nats-server starts");
+    let node =
+        NodeProcess::start(NodeSpec::standalone(node_id, vec![nats.url()])).expect("node starts");
+    node.wait_ready(Duration::from_secs(20))
+        .await
+        .expect("node ready");
+    (nats, node)
+}
+
+/// An edge client of `config` that has finished connecting (connecting itself
+/// never waits).
+pub async fn connected_edge(config: ankusa_bus::FleetConfig) -> ankusa_bus::FleetStore {
+    let store = ankusa_bus::FleetStore::connect(config)
+        .await
+        .expect("valid config");
+    wait_until(Duration::from_secs(10), || async {
+        store.nats().connection_state() == async_nats::connection::State::Connected
+    })
+    .await
+    .expect("edge connects");
+    store
 }
 
 /// Polls `condition` every 50 ms until it holds or `timeout` passes.

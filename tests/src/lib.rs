@@ -28,7 +28,7 @@ pub mod redis;
 pub mod requests;
 
 pub use error::HarnessError;
-pub use fleet::{wait_until, NodeProcess, NodeSpec};
+pub use fleet::{connected_edge, standalone_pair, wait_until, NodeProcess, NodeSpec};
 pub use nats::{nats_server_bin, try_nats_server_bin, NatsCluster, NatsServer, ServerConfig};
 pub use netcut::{Link, NetCut, NetCutStats};
 pub use ports::free_port;

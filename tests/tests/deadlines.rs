@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use ankusa_actors::HitOutcome;
 use ankusa_bus::{FleetConfig, FleetStore, NatsOptions, Store, StoreError};
 use ankusa_tests::requests::hit;
-use ankusa_tests::{wait_until, NatsServer, NodeProcess, NodeSpec};
+use ankusa_tests::{connected_edge, standalone_pair};
 
 #[test]
 fn a_paused_node_costs_each_call_its_timeout_and_no_more() {
@@ -30,7 +30,7 @@ fn a_paused_node_costs_each_call_its_timeout_and_no_more() {
 }
 
 async fn paused_node_calls() {
-    let (nats, mut node) = serving_pair().await;
+    let (nats, mut node) = standalone_pair("solo").await;
     let store = connected(&nats.url()).await;
     assert_eq!(
         store.hit(hit("acme", "warm", "w"), T).await,
@@ -116,24 +116,8 @@ struct Call {
 
 const T: Duration = Duration::from_millis(500);
 
-async fn serving_pair() -> (NatsServer, NodeProcess) {
-    let nats = NatsServer::start().await.expect("nats-server starts");
-    let node =
-        NodeProcess::start(NodeSpec::standalone("solo", vec![nats.url()])).expect("node starts");
-    node.wait_ready(Duration::from_secs(20))
-        .await
-        .expect("node ready");
-    (nats, node)
-}
-
 async fn connected(url: &str) -> FleetStore {
     let mut config = FleetConfig::new(NatsOptions::with_servers([url]), "test");
     config.shards = 16;
-    let store = FleetStore::connect(config).await.expect("valid config");
-    wait_until(Duration::from_secs(5), || async {
-        store.nats().connection_state() == async_nats::connection::State::Connected
-    })
-    .await
-    .expect("edge connects");
-    store
+    connected_edge(config).await
 }

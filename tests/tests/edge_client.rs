@@ -10,41 +10,32 @@ use ankusa_bus::edge::{Edge, EdgeConfig, LocalReason, Source};
 use ankusa_bus::protocol::{ErrorCode, Op, Reply, ReplyBody, Request};
 use ankusa_bus::{FleetConfig, FleetStore, NatsOptions, Store, StoreError, Subjects};
 use ankusa_tests::requests::{claim, hit, hooks, settle};
-use ankusa_tests::{wait_until, NatsServer, NodeProcess, NodeSpec};
+use ankusa_tests::{
+    connected_edge, standalone_pair, wait_until, NatsServer, NodeProcess, NodeSpec,
+};
 
 const T: Duration = Duration::from_millis(500);
 
-async fn fleet(url: &str, batching: bool) -> FleetStore {
+fn config(url: &str, batching: bool) -> FleetConfig {
     let mut config = FleetConfig::new(NatsOptions::with_servers([url]), "test");
     config.shards = 16;
     config.batching = batching;
-    FleetStore::connect(config).await.expect("valid config")
+    config
 }
 
-/// An edge client that has finished connecting (connect itself never waits).
-async fn connected(url: &str) -> FleetStore {
-    let store = fleet(url, true).await;
-    wait_until(Duration::from_secs(5), || async {
-        store.nats().connection_state() == async_nats::connection::State::Connected
-    })
-    .await
-    .expect("edge connects");
-    store
-}
-
-async fn serving_pair() -> (NatsServer, NodeProcess) {
-    let nats = NatsServer::start().await.expect("nats-server starts");
-    let node =
-        NodeProcess::start(NodeSpec::standalone("solo", vec![nats.url()])).expect("node starts");
-    node.wait_ready(Duration::from_secs(20))
+async fn fleet(url: &str, batching: bool) -> FleetStore {
+    FleetStore::connect(config(url, batching))
         .await
-        .expect("node ready");
-    (nats, node)
+        .expect("valid config")
+}
+
+async fn connected(url: &str) -> FleetStore {
+    connected_edge(config(url, true)).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_result_kind_end_to_end() {
-    let (nats, _node) = serving_pair().await;
+    let (nats, _node) = standalone_pair("solo").await;
     let store = connected(&nats.url()).await;
 
     // Ok, then Pending for another hook, then Duplicate once committed.
@@ -182,7 +173,7 @@ fn error_code(reply: &Reply) -> ErrorCode {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_node_refuses_bad_input_with_typed_errors_and_keeps_serving() {
-    let (nats, _node) = serving_pair().await;
+    let (nats, _node) = standalone_pair("solo").await;
     let client = nats.connect().await.expect("connect");
     let subjects = Subjects::new("test").unwrap();
     let shard = ankusa_bus::shard_of("acme", 16);
@@ -348,7 +339,7 @@ async fn no_node_means_no_responders_within_the_deadline() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_of_the_largest_calls_are_split_to_fit_a_message() {
-    let (nats, _node) = serving_pair().await;
+    let (nats, _node) = standalone_pair("solo").await;
     let store = connected(&nats.url()).await;
     // Calls of the largest size the rules allow: 64 of them make a batch of
     // about 170 KB, well over the 64 KiB a request may hold.

@@ -14,7 +14,7 @@ use ankusa_bus::protocol::{ErrorCode, Op, Reply, ReplyBody, Request};
 use ankusa_bus::{shard_of, FleetConfig, FleetStore, NatsOptions, Store, Subjects};
 use ankusa_node::fleet::target_owner;
 use ankusa_tests::requests::{hit, settle};
-use ankusa_tests::{wait_until, NatsServer, NodeProcess, NodeSpec};
+use ankusa_tests::{connected_edge, NatsServer, NodeProcess, NodeSpec};
 use futures::StreamExt;
 
 const SHARDS: u32 = 16;
@@ -32,13 +32,7 @@ async fn edge_with(nats: &NatsServer, tweak: impl FnOnce(&mut FleetConfig)) -> F
     let mut config = FleetConfig::new(NatsOptions::with_servers([nats.url()]), "test");
     config.shards = SHARDS;
     tweak(&mut config);
-    let store = FleetStore::connect(config).await.expect("config");
-    wait_until(Duration::from_secs(5), || async {
-        store.nats().connection_state() == async_nats::connection::State::Connected
-    })
-    .await
-    .expect("edge connects");
-    store
+    connected_edge(config).await
 }
 
 async fn kv(nats: &NatsServer) -> FleetKv {

@@ -21,7 +21,7 @@ use ankusa_actors::{Charge, HitOutcome, HitRequest, Kind, SettleOutcome, Settlem
 use ankusa_bus::protocol::{ErrorCode, Op, Reply, ReplyBody, Request, MAX_BATCH};
 use ankusa_bus::{shard_of, FleetConfig, FleetStore, NatsOptions, Store, StoreError, Subjects};
 use ankusa_tests::requests::{claim, hit, settle};
-use ankusa_tests::{wait_until, NatsServer, NodeProcess, NodeSpec};
+use ankusa_tests::{connected_edge, NatsServer, NodeProcess, NodeSpec};
 use bytes::Bytes;
 use futures::StreamExt;
 use rand::rngs::StdRng;
@@ -52,13 +52,7 @@ fn tenants_of_shard(prefix: &str, shard: u32, n: usize) -> Vec<String> {
 async fn connected_store(url: &str) -> FleetStore {
     let mut config = FleetConfig::new(NatsOptions::with_servers([url]), INSTANCE);
     config.shards = SHARDS;
-    let store = FleetStore::connect(config).await.expect("valid config");
-    wait_until(Duration::from_secs(5), || async {
-        store.nats().connection_state() == async_nats::connection::State::Connected
-    })
-    .await
-    .expect("edge connects");
-    store
+    connected_edge(config).await
 }
 
 async fn start_node(spec: NodeSpec) -> NodeProcess {
