@@ -532,7 +532,7 @@ async fn open_bucket(
     let replicas = match (found, create) {
         (Ok(store), create) => {
             if let Some(replicas) = create {
-                warn_if_replicas_differ(&store, replicas);
+                check_replicas(&store, replicas);
             }
             return Ok(store);
         }
@@ -560,14 +560,16 @@ async fn open_bucket(
         limit_markers: Some(Duration::from_secs(1)),
         ..Default::default()
     };
-    match js.create_key_value(config).await {
-        Ok(store) => Ok(store),
+    let store = match js.create_key_value(config).await {
+        Ok(store) => store,
         // Another node created it between our get and create.
         Err(create_err) => js.get_key_value(bucket).await.map_err(|_| KvError::Open {
             bucket: bucket.to_string(),
             reason: create_err.to_string(),
-        }),
-    }
+        })?,
+    };
+    check_replicas(&store, replicas);
+    Ok(store)
 }
 
 /// Whether getting a bucket failed because its stream does not exist (and not
@@ -586,7 +588,7 @@ fn is_missing_stream(err: &jetstream::context::KeyValueError) -> bool {
 /// for more does not change it (operators do, with `nats stream edit`), so it
 /// says so, and exports the count, instead of running with less redundancy
 /// than its operator believes.
-fn warn_if_replicas_differ(store: &kv::Store, configured: usize) {
+fn check_replicas(store: &kv::Store, configured: usize) {
     let actual = store.stream.cached_info().config.num_replicas;
     metrics::gauge!("ankusa_kv_bucket_replicas", "bucket" => store.name.clone()).set(actual as f64);
     if actual != configured.max(1) {
