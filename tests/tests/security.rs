@@ -261,11 +261,10 @@ async fn an_edge_allowed_only_shard_subjects_stops_batching_to_nodes() {
         "the edge never tried the node subject: {}",
         nats.log_tail(20)
     );
-    // From then on its batches go shard by shard, and every call is answered.
+    // From then on its batches go shard by shard, and every call is answered
+    // (a call lost to the node subject would have timed out instead).
     for round in ["second", "third"] {
-        let started = Instant::now();
         assert_eq!(burst(&edge, round, 32).await, 32, "round {round}");
-        assert!(started.elapsed() < T, "round {round} waited for timeouts");
     }
     let refusals = violations(&nats)
         .iter()
