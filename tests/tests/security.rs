@@ -21,7 +21,7 @@ use ankusa_actors::{HitOutcome, SettleOutcome, Settlement};
 use ankusa_bus::edge::{Edge, EdgeConfig, LocalReason, Source};
 use ankusa_bus::{FleetConfig, FleetStore, NatsOptions, Store, StoreError};
 use ankusa_tests::requests::{hit, settle};
-use ankusa_tests::{wait_until, NatsServer, NodeProcess, NodeSpec, ServerConfig};
+use ankusa_tests::{connected_edge, NatsServer, NodeProcess, NodeSpec, ServerConfig};
 use futures::StreamExt;
 
 const SHARDS: u32 = 16;
@@ -52,18 +52,21 @@ fn options(url: &str, tweak: impl FnOnce(&mut NatsOptions)) -> NatsOptions {
     nats
 }
 
-async fn store(nats: NatsOptions) -> FleetStore {
+fn config(nats: NatsOptions) -> FleetConfig {
     let mut config = FleetConfig::new(nats, INSTANCE);
     config.shards = SHARDS;
-    FleetStore::connect(config).await.expect("valid config")
+    config
 }
 
-async fn wait_connected(store: &FleetStore) {
-    wait_until(Duration::from_secs(10), || async {
-        store.nats().connection_state() == async_nats::connection::State::Connected
-    })
-    .await
-    .expect("edge connects");
+async fn store(nats: NatsOptions) -> FleetStore {
+    FleetStore::connect(config(nats))
+        .await
+        .expect("valid config")
+}
+
+/// An edge that has finished connecting.
+async fn connected(nats: NatsOptions) -> FleetStore {
+    connected_edge(config(nats)).await
 }
 
 fn node_spec(id: &str, url: &str, mode: &str, auth: &[&str]) -> NodeSpec {
@@ -99,13 +102,11 @@ async fn fleet_node_as_node_user(id: &str, url: &str) -> NodeProcess {
 
 /// An edge connected as `user`.
 async fn edge_as(url: &str, user: &str, password: &str) -> FleetStore {
-    let edge = store(options(url, |o| {
+    connected(options(url, |o| {
         o.user = Some(user.into());
         o.password = Some(password.into());
     }))
-    .await;
-    wait_connected(&edge).await;
-    edge
+    .await
 }
 
 /// The full round of a hook: Ok, commit, then Duplicate for a replay.
@@ -195,12 +196,11 @@ async fn an_edge_with_a_private_inbox_prefix_is_answered_there() {
         o.user = Some("edge-eu1".into());
         o.password = Some("eu1-pw".into());
     };
-    let edge = store(options(&url, |o| {
+    let edge = connected(options(&url, |o| {
         login(o);
         o.inbox_prefix = Some("_INBOX_edge_eu1".into());
     }))
     .await;
-    wait_connected(&edge).await;
     round_trip(&edge, "acme", "evt-private").await;
     assert!(
         !violations(&nats)
@@ -212,8 +212,7 @@ async fn an_edge_with_a_private_inbox_prefix_is_answered_there() {
 
     // The same user on the shared inbox: its subscription is refused, so no
     // answer ever reaches it.
-    let shared = store(options(&url, login)).await;
-    wait_connected(&shared).await;
+    let shared = connected(options(&url, login)).await;
     let got = shared.hit(hit("acme", "evt-shared", "h"), T).await;
     assert!(matches!(got, Err(StoreError::Timeout(_))), "{got:?}");
     assert!(
@@ -224,13 +223,9 @@ async fn an_edge_with_a_private_inbox_prefix_is_answered_there() {
     );
 
     // A prefix that is not a literal subject is refused before connecting.
-    let mut config = FleetConfig::new(
-        options(&url, |o| o.inbox_prefix = Some("_INBOX.*".into())),
-        INSTANCE,
-    );
-    config.shards = SHARDS;
+    let bad = config(options(&url, |o| o.inbox_prefix = Some("_INBOX.*".into())));
     assert!(matches!(
-        FleetStore::connect(config).await,
+        FleetStore::connect(bad).await,
         Err(ankusa_bus::client::ClientConfigError::Connect(
             ankusa_bus::ConnectError::BadInboxPrefix(_)
         ))
@@ -322,12 +317,11 @@ async fn the_documented_permissions_let_node_and_edge_work_and_nobody_else() {
 
     // Authenticated, but without publish rights on the shard subjects: the
     // request is dropped by the server, so no answer can ever come.
-    let intruder = store(options(&url, |o| {
+    let intruder = connected(options(&url, |o| {
         o.user = Some("intruder".into());
         o.password = Some("intruder-pw".into());
     }))
     .await;
-    wait_connected(&intruder).await;
     for i in 0..3 {
         let got = intruder
             .hit(hit("acme", &format!("intrude-{i}"), "x"), T)
@@ -436,8 +430,7 @@ async fn token_and_nkey_authentication() {
         &["--nats-token", "tok-0008-secret"],
     ))
     .await;
-    let edge = store(options(&url, |o| o.token = Some("tok-0008-secret".into()))).await;
-    wait_connected(&edge).await;
+    let edge = connected(options(&url, |o| o.token = Some("tok-0008-secret".into()))).await;
     round_trip(&edge, "acme", "tok-1").await;
     assert_locked_out(
         options(&url, |o| o.token = Some("wrong".into())),
@@ -466,8 +459,7 @@ async fn token_and_nkey_authentication() {
         &["--nats-nkey-seed", &seed(&node_key)],
     ))
     .await;
-    let edge = store(options(&url, |o| o.nkey_seed = Some(seed(&edge_key)))).await;
-    wait_connected(&edge).await;
+    let edge = connected(options(&url, |o| o.nkey_seed = Some(seed(&edge_key)))).await;
     round_trip(&edge, "acme", "nkey-1").await;
     assert_locked_out(
         options(&url, |o| o.nkey_seed = Some(seed(&stranger))),
@@ -605,8 +597,7 @@ async fn tls_with_a_private_ca_and_client_certificates() {
         o.tls_key = Some(pki.client_key.clone());
         o.require_tls = true;
     };
-    let edge = store(options(&url, with_cert)).await;
-    wait_connected(&edge).await;
+    let edge = connected(options(&url, with_cert)).await;
     round_trip(&edge, "acme", "tls-1").await;
 
     // Trusting the CA is not enough: the server wants a client certificate.
