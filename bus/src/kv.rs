@@ -275,10 +275,7 @@ impl FleetKv {
                 .js
                 .get_key_value(bucket)
                 .await
-                .map_err(|e| KvError::Open {
-                    bucket: bucket.clone(),
-                    reason: e.to_string(),
-                })?;
+                .map_err(|e| open_error(bucket, e))?;
             out.push((
                 bucket.clone(),
                 store.stream.cached_info().config.num_replicas,
@@ -528,26 +525,20 @@ async fn open_bucket(
     create: Option<usize>,
     description: &str,
 ) -> Result<kv::Store, KvError> {
-    let found = js.get_key_value(bucket).await;
-    let replicas = match (found, create) {
+    let replicas = match (js.get_key_value(bucket).await, create) {
         (Ok(store), create) => {
             if let Some(replicas) = create {
                 check_replicas(&store, replicas);
             }
             return Ok(store);
         }
+        (Err(_), Some(replicas)) => replicas,
         (Err(err), None) if is_missing_stream(&err) => {
             return Err(KvError::Missing {
                 bucket: bucket.to_string(),
             })
         }
-        (Err(err), None) => {
-            return Err(KvError::Open {
-                bucket: bucket.to_string(),
-                reason: err.to_string(),
-            })
-        }
-        (Err(_), Some(replicas)) => replicas,
+        (Err(err), None) => return Err(open_error(bucket, err)),
     };
     let config = kv::Config {
         bucket: bucket.to_string(),
@@ -563,13 +554,20 @@ async fn open_bucket(
     let store = match js.create_key_value(config).await {
         Ok(store) => store,
         // Another node created it between our get and create.
-        Err(create_err) => js.get_key_value(bucket).await.map_err(|_| KvError::Open {
-            bucket: bucket.to_string(),
-            reason: create_err.to_string(),
-        })?,
+        Err(create_err) => js
+            .get_key_value(bucket)
+            .await
+            .map_err(|_| open_error(bucket, create_err))?,
     };
     check_replicas(&store, replicas);
     Ok(store)
+}
+
+fn open_error(bucket: &str, err: impl std::fmt::Display) -> KvError {
+    KvError::Open {
+        bucket: bucket.to_string(),
+        reason: err.to_string(),
+    }
 }
 
 /// Whether getting a bucket failed because its stream does not exist (and not

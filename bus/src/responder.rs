@@ -375,18 +375,19 @@ async fn run_node(
                 op: Op::Batch(items),
                 ..
             }) => items,
-            // A lone call is answered as itself, not as a batch of one.
-            Ok(request) => {
-                let answer = route(&table, request, received);
-                let lone = answer_lone(client.clone(), reply_to, answer, in_flight.enter());
-                tokio::spawn(lone);
-                continue;
-            }
-            Err(err) => {
-                let body = ReplyBody::Error(err.into());
-                let answer = RoutedAnswer::unrouted(body);
-                let lone = answer_lone(client.clone(), reply_to, answer, in_flight.enter());
-                tokio::spawn(lone);
+            // A lone call (or what did not decode) is answered as itself, not
+            // as a batch of one.
+            lone => {
+                let answer = match lone {
+                    Ok(request) => route(&table, request, received),
+                    Err(err) => RoutedAnswer::unrouted(ReplyBody::Error(err.into())),
+                };
+                tokio::spawn(answer_lone(
+                    client.clone(),
+                    reply_to,
+                    answer,
+                    in_flight.enter(),
+                ));
                 continue;
             }
         };

@@ -376,9 +376,8 @@ impl History {
     }
 
     /// `look` at the events so far, under the lock and without copying them:
-    /// what a run looks at while its clients are still recording (a copy of a
-    /// long soak's history held the lock, and the clients' threads, for
-    /// 150 ms).
+    /// for a run that looks while its clients are still recording (keep the
+    /// look short: they wait on the lock meanwhile).
     pub fn with_events<R>(&self, look: impl FnOnce(&[Event]) -> R) -> R {
         look(&self.events.lock().unwrap_or_else(|p| p.into_inner()))
     }
