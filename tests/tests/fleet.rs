@@ -462,11 +462,7 @@ async fn a_node_subject_answers_for_its_own_shards_only_and_edges_batch_there() 
     )
     .await;
     burst(&store, "moved").await;
-    let mut wrong_node = 0.0;
-    for node in &nodes {
-        let name = "ankusa_requests_refused_total{code=\"wrong_node\"}";
-        wrong_node += node.metric(name).await.unwrap_or(0.0);
-    }
+    let wrong_node = sum_metric(&nodes, "ankusa_requests_refused_total{code=\"wrong_node\"}").await;
     assert!(
         wrong_node >= 1.0,
         "no item came back wrong_node after the move"
@@ -539,9 +535,17 @@ async fn burst(store: &FleetStore, round: &str) {
 }
 
 async fn node_batches(nodes: &[NodeProcess]) -> f64 {
+    sum_metric(
+        nodes,
+        "ankusa_request_duration_seconds_count{op=\"node_batch\"}",
+    )
+    .await
+}
+
+/// A metric summed over `nodes` (0 where a node does not show it).
+async fn sum_metric(nodes: &[NodeProcess], name: &str) -> f64 {
     let mut total = 0.0;
     for node in nodes {
-        let name = "ankusa_request_duration_seconds_count{op=\"node_batch\"}";
         total += node.metric(name).await.unwrap_or(0.0);
     }
     total
