@@ -84,6 +84,14 @@ impl Nats {
         }
     }
 
+    /// Names the run in its report, since both tests print theirs.
+    fn label(&self) -> &'static str {
+        match self {
+            Nats::Single(_) => "single nats-server",
+            Nats::Cluster(_) => "3-server nats cluster",
+        }
+    }
+
     /// Restarts one server; returns its name.
     async fn restart_one(&mut self) -> String {
         match self {
@@ -779,6 +787,7 @@ async fn run(nats: Nats, replicas: usize) -> (Report, Vec<CutSeen>) {
         &history.stalls(),
         &config,
     );
+    println!("== fault run, {} ==", fleet.nats.label());
     println!("{}", report.render());
     println!("network cuts of {CUT_NODE} ({CUT:?} each):");
     for c in &cuts {
