@@ -581,20 +581,13 @@ impl Drop for LaneHandoff {
     }
 }
 
-fn unexpected(body: ReplyBody) -> StoreError {
-    match body {
-        ReplyBody::Error(err) => StoreError::Refused(err),
-        other => StoreError::BadReply(format!("unexpected reply {other:?}")),
-    }
-}
-
 impl Store for FleetStore {
     async fn hit(&self, req: HitRequest, timeout: Duration) -> Result<HitOutcome, StoreError> {
         req.validate()?;
         let tenant = req.tenant().to_owned();
         match self.call(&tenant, Op::Hit(req), timeout).await? {
             ReplyBody::Hit(outcome) => Ok(outcome),
-            other => Err(unexpected(other)),
+            other => Err(StoreError::unexpected("hit", other)),
         }
     }
 
@@ -607,7 +600,7 @@ impl Store for FleetStore {
         let tenant = req.claim.tenant.clone();
         match self.call(&tenant, Op::Settle(req), timeout).await? {
             ReplyBody::Settle(outcome) => Ok(outcome),
-            other => Err(unexpected(other)),
+            other => Err(StoreError::unexpected("settle", other)),
         }
     }
 
@@ -618,7 +611,7 @@ impl Store for FleetStore {
             .await?
         {
             ReplyBody::Reset => Ok(()),
-            other => Err(unexpected(other)),
+            other => Err(StoreError::unexpected("reset", other)),
         }
     }
 }

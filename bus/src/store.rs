@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use ankusa_actors::{HitOutcome, HitRequest, InvalidRequest, SettleOutcome, SettleRequest};
 
-use crate::protocol::{ErrorCode, ErrorReply};
+use crate::protocol::{ErrorCode, ErrorReply, ReplyBody};
 
 /// Why a call to the fleet did not produce an outcome.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -48,6 +48,15 @@ impl StoreError {
                 ErrorCode::Invalid | ErrorCode::Malformed | ErrorCode::TooLarge
             ),
             _ => true,
+        }
+    }
+
+    /// The error for a reply whose body does not answer the call made (`what`):
+    /// the node's refusal, or a reply of another kind.
+    pub fn unexpected(what: &str, body: ReplyBody) -> Self {
+        match body {
+            ReplyBody::Error(err) => StoreError::Refused(err),
+            other => StoreError::BadReply(format!("a {what} was answered with {other:?}")),
         }
     }
 }

@@ -152,20 +152,13 @@ impl EchoStore {
     }
 }
 
-fn unexpected(what: &str, body: ReplyBody) -> StoreError {
-    match body {
-        ReplyBody::Error(err) => StoreError::Refused(err),
-        other => StoreError::BadReply(format!("a {what} was answered with {other:?}")),
-    }
-}
-
 impl Store for EchoStore {
     async fn hit(&self, req: HitRequest, timeout: Duration) -> Result<HitOutcome, StoreError> {
         req.validate()?;
         let subject = self.hit_subject.as_str();
         match self.call(subject, Op::Hit(req), timeout).await?.body {
             ReplyBody::Hit(outcome) => Ok(outcome),
-            other => Err(unexpected("hit", other)),
+            other => Err(StoreError::unexpected("hit", other)),
         }
     }
 
@@ -178,7 +171,7 @@ impl Store for EchoStore {
         let subject = self.settle_subject.as_str();
         match self.call(subject, Op::Settle(req), timeout).await?.body {
             ReplyBody::Settle(outcome) => Ok(outcome),
-            other => Err(unexpected("settle", other)),
+            other => Err(StoreError::unexpected("settle", other)),
         }
     }
 
@@ -191,7 +184,7 @@ impl Store for EchoStore {
             .body
         {
             ReplyBody::Reset => Ok(()),
-            other => Err(unexpected("reset", other)),
+            other => Err(StoreError::unexpected("reset", other)),
         }
     }
 }
