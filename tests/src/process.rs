@@ -2,8 +2,9 @@
 //! underneath [`crate::NatsServer`], nats-server.
 //!
 //! A [`ChildProcess`] sends stdout and stderr to a log file, can be signalled
-//! (STOP/CONT/TERM/KILL through the `kill` command, so no libc binding is needed) and
-//! is SIGKILLed and reaped when dropped, so a panicking test leaves nothing behind.
+//! (STOP/CONT/TERM/KILL, with `kill(2)`: no process spawned, so the async code
+//! that injects faults does not block on one) and is SIGKILLed and reaped when
+//! dropped, so a panicking test leaves nothing behind.
 //! [`cargo_bin`] finds a workspace binary in the target directory the tests run from.
 
 use std::collections::HashMap;
@@ -30,7 +31,7 @@ pub enum Signal {
 }
 
 impl Signal {
-    /// The name `kill -<NAME>` accepts.
+    /// The signal's name, as `kill -<NAME>` spells it.
     pub fn name(self) -> &'static str {
         match self {
             Signal::Stop => "STOP",
@@ -39,29 +40,30 @@ impl Signal {
             Signal::Kill => "KILL",
         }
     }
+
+    fn number(self) -> rustix::process::Signal {
+        use rustix::process::Signal as Sig;
+        match self {
+            Signal::Stop => Sig::STOP,
+            Signal::Cont => Sig::CONT,
+            Signal::Term => Sig::TERM,
+            Signal::Kill => Sig::KILL,
+        }
+    }
 }
 
-/// Sends `signal` to `pid` with the `kill` command.
+/// Sends `signal` to `pid`.
 pub fn send_signal(pid: u32, signal: Signal) -> Result<(), HarnessError> {
-    let out = Command::new("kill")
-        .arg(format!("-{}", signal.name()))
-        .arg(pid.to_string())
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| HarnessError::Signal {
-            signal: signal.name(),
-            pid,
-            detail: e.to_string(),
-        })?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(HarnessError::Signal {
-            signal: signal.name(),
-            pid,
-            detail: String::from_utf8_lossy(&out.stderr).trim().to_string(),
-        })
-    }
+    let error = |detail: String| HarnessError::Signal {
+        signal: signal.name(),
+        pid,
+        detail,
+    };
+    let target = i32::try_from(pid)
+        .ok()
+        .and_then(rustix::process::Pid::from_raw)
+        .ok_or_else(|| error("not a process id".into()))?;
+    rustix::process::kill_process(target, signal.number()).map_err(|e| error(e.to_string()))
 }
 
 /// Returns the last `lines` lines of a log file (reads at most its last 64 KiB).
