@@ -4,6 +4,7 @@
 //! polls a condition with a bound.
 
 use std::future::Future;
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
@@ -60,11 +61,23 @@ pub struct NodeProcess {
 
 impl NodeProcess {
     pub fn start(spec: NodeSpec) -> Result<Self, HarnessError> {
+        Self::launch(spec, None)
+    }
+
+    /// Like [`NodeProcess::start`], appending the node's output to `log`, so a
+    /// node restarted under the same name keeps one log across its lives.
+    pub fn start_logged(spec: NodeSpec, log: &Path) -> Result<Self, HarnessError> {
+        Self::launch(spec, Some(log))
+    }
+
+    fn launch(spec: NodeSpec, log: Option<&Path>) -> Result<Self, HarnessError> {
         let http_port = free_port()?;
-        let process = ChildProcess::spawn(
-            format!("ankusa-node {}", spec.node_id),
-            Self::command(&spec, http_port),
-        )?;
+        let name = format!("ankusa-node {}", spec.node_id);
+        let cmd = Self::command(&spec, http_port);
+        let process = match log {
+            Some(log) => ChildProcess::spawn_logged(name, cmd, log)?,
+            None => ChildProcess::spawn(name, cmd)?,
+        };
         Ok(Self {
             spec,
             http_port,

@@ -36,7 +36,7 @@ use std::time::Duration;
 use ankusa_actors::{Charge, Claim, HitOutcome, HitRequest, SettleRequest, Settlement};
 use ankusa_bus::kv::FleetKv;
 use ankusa_bus::{shard_of, Edge, EdgeConfig, FleetConfig, FleetStore, NatsOptions, Store};
-use ankusa_tests::checker::{check_with_stalls, CheckerConfig, Report};
+use ankusa_tests::checker::{check_with_stalls, Attribution, CheckerConfig, Report};
 use ankusa_tests::history::{CallResult, FaultKind, History};
 use ankusa_tests::requests::{bytes, hooks};
 use ankusa_tests::{
@@ -85,6 +85,16 @@ impl Nats {
         }
     }
 
+    /// Every server's log (each holds all of that server's runs).
+    fn log_paths(&self) -> Vec<std::path::PathBuf> {
+        match self {
+            Nats::Single(s) => vec![s.log_path().to_path_buf()],
+            Nats::Cluster(c) => (0..c.len())
+                .map(|i| c.member(i).log_path().to_path_buf())
+                .collect(),
+        }
+    }
+
     /// Names the run in its report, since both tests print theirs.
     fn label(&self) -> &'static str {
         match self {
@@ -122,6 +132,8 @@ struct Fleet {
     cut: NetCut,
     /// The test's own view of the leases (opened once the nodes made the buckets).
     kv: Option<FleetKv>,
+    /// One log per node name, kept across the node's restarts (see [`keep_logs`]).
+    logs: tempfile::TempDir,
 }
 
 impl Fleet {
@@ -149,7 +161,8 @@ impl Fleet {
     }
 
     fn start_node(&mut self, id: &str) {
-        let node = NodeProcess::start(self.spec(id)).expect("node starts");
+        let log = self.logs.path().join(format!("{id}.log"));
+        let node = NodeProcess::start_logged(self.spec(id), &log).expect("node starts");
         match self.nodes.iter().position(|n| n.spec.node_id == id) {
             Some(i) => self.nodes[i] = node,
             None => self.nodes.push(node),
@@ -697,6 +710,10 @@ async fn run(nats: Nats, replicas: usize) -> (Report, Vec<CutSeen>) {
         nodes: Vec::new(),
         cut,
         kv: None,
+        logs: tempfile::Builder::new()
+            .prefix("ankusa-fault-run-")
+            .tempdir()
+            .expect("a temp dir for the run's logs"),
     };
     for id in ["node-a", "node-b", "node-c"] {
         fleet.start_node(id);
@@ -809,11 +826,43 @@ async fn run(nats: Nats, replicas: usize) -> (Report, Vec<CutSeen>) {
             c.proxy
         ));
     }
+    if let Some(why) = logs_worth_keeping(&report) {
+        text.push_str(&keep_logs(fleet, why));
+    }
     // Written to stdout itself, past the test harness's capture of `println!`:
     // the README's test command shows the report of a passing run too. One
     // write, so the two tests' reports do not interleave.
     let _ = std::io::stdout().lock().write_all(text.as_bytes());
     (report, cuts)
+}
+
+/// Why this run's logs should outlive it, if they should: a violation, a
+/// double accept the checker put down to a fault (each so far unexplained), or
+/// `ANKUSA_KEEP_LOGS=1`.
+fn logs_worth_keeping(report: &Report) -> Option<&'static str> {
+    if !report.violations.is_empty() {
+        Some("violations")
+    } else if report
+        .attributed
+        .iter()
+        .any(|c| matches!(c.why, Attribution::Fault { .. }))
+    {
+        Some("double accepts in fault windows")
+    } else if std::env::var("ANKUSA_KEEP_LOGS").is_ok_and(|v| v == "1") {
+        Some("ANKUSA_KEEP_LOGS=1")
+    } else {
+        None
+    }
+}
+
+/// Keeps every node's and nats-server's log of the run in a directory that
+/// is not removed, and says where.
+fn keep_logs(fleet: Fleet, why: &str) -> String {
+    let Fleet { nats, logs, .. } = fleet;
+    for (i, path) in nats.log_paths().iter().enumerate() {
+        let _ = std::fs::copy(path, logs.path().join(format!("nats-server-{}.log", i + 1)));
+    }
+    format!("logs kept ({why}): {}\n", logs.keep().display())
 }
 
 fn assert_sound((report, cuts): &(Report, Vec<CutSeen>)) {

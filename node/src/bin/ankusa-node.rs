@@ -1,5 +1,6 @@
 //! `ankusa-node`: one node of an ankusa-fleet instance.
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -31,8 +32,10 @@ struct Cli {
 fn init_logs(config: &NodeConfig) {
     let filter = tracing_subscriber::EnvFilter::try_new(&config.log_level)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colours only on a terminal: a log file or journald gets plain text.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     match config.log_format {
         LogFormat::Json => builder.json().init(),
