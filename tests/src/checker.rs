@@ -20,7 +20,9 @@
 //!    have taken effect as late as its completion), or h1's own hit answered
 //!    `Ok` before and h2's hit completed before `hit invoked + pending_ttl`,
 //!    with no release of h1 that could have freed the key invoked before h2's
-//!    hit completed. A conflict where either answer
+//!    hit completed. A repeat keeps the first attempt's expiry (a retried
+//!    commit, a replayed hit), so the clock starts at the earliest attempt of
+//!    h1 that may have taken effect, not at the one answered `Ok`. A conflict where either answer
 //!    came from an edge's *local* state is *attributed* (the fleet never saw that
 //!    claim), and so is one whose second hit overlaps a fault window
 //!    `[fault start, fault end + lease TTL + attribution slack]`. Attributed
@@ -369,6 +371,15 @@ fn settled_ok(e: &Event) -> Option<Answered> {
     }
 }
 
+/// A hit that certainly did not claim its key.
+fn hit_refused(e: &Event) -> bool {
+    match &e.result {
+        CallResult::Hit(outcome, _) => *outcome != HitOutcome::Ok,
+        CallResult::Error(kind) => kind.certainly_not_applied(),
+        CallResult::Settle(..) => true,
+    }
+}
+
 fn hit_ok(e: &Event) -> Option<Answered> {
     match (&e.op, &e.result) {
         (OpKind::Hit, CallResult::Hit(HitOutcome::Ok, a)) => Some(*a),
@@ -463,11 +474,9 @@ fn certainly_held(group: &[&Event], holder: &Event, second: &Event, tolerance: M
     }
     if is_commit(holder) {
         return settled_ok(holder).is_some()
-            && second.completed + tolerance < holder.invoked + claim.ttl_ms * 1000;
+            && second.completed + tolerance < earliest_expiry(group, holder);
     }
-    if hit_ok(holder).is_none()
-        || second.completed + tolerance >= holder.invoked + claim.pending_ttl_ms * 1000
-    {
+    if hit_ok(holder).is_none() || second.completed + tolerance >= earliest_expiry(group, holder) {
         return false;
     }
     // Any release that may have freed it before the second hit finished.
@@ -477,6 +486,44 @@ fn certainly_held(group: &[&Event], holder: &Event, second: &Event, tolerance: M
             && e.invoked < second.completed
             && !settle_refused(e)
     })
+}
+
+/// The earliest instant the claim that `holder` (a commit or a hit answered
+/// `Ok`) left on its key can expire.
+///
+/// A repeat does not renew a claim: a hit replayed by the hook that holds the
+/// key pending, and a second commit of a committed claim, answer `Ok` and keep
+/// the first one's expiry. So an earlier attempt of the same hook and kind that
+/// may have taken effect (an uncertain one: a commit that timed out and was
+/// retried) may have set the expiry, from as early as its invocation; but only
+/// if its claim could still have been live when `holder` took effect, and then
+/// not before that instant.
+fn earliest_expiry(group: &[&Event], holder: &Event) -> Micros {
+    let commit = is_commit(holder);
+    let ttl = |e: &Event| {
+        e.claim.as_ref().map_or(0, |c| {
+            1000 * if commit { c.ttl_ms } else { c.pending_ttl_ms }
+        })
+    };
+    let may_have_applied = |e: &Event| {
+        if commit {
+            is_commit(e) && !settle_refused(e)
+        } else {
+            e.op == OpKind::Hit && !hit_refused(e)
+        }
+    };
+    let own = holder.invoked + ttl(holder);
+    group
+        .iter()
+        .filter(|e| {
+            !std::ptr::eq(**e, holder)
+                && e.hook_id() == holder.hook_id()
+                && may_have_applied(e)
+                && e.invoked < holder.completed
+                && e.completed + ttl(e) > holder.invoked
+        })
+        .map(|e| (e.invoked + ttl(e)).max(holder.invoked))
+        .fold(own, Micros::min)
 }
 
 fn check_double_accepts(

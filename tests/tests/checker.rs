@@ -242,6 +242,41 @@ fn a_second_accept_that_may_have_taken_effect_after_the_expiry_is_fine() {
 }
 
 #[test]
+fn a_retried_commit_keeps_the_expiry_of_the_attempt_that_timed_out() {
+    // h1's first commit (10 ms) times out at its 250 ms budget, though the node
+    // may have applied it at once; the retry at 260 ms answers Ok and keeps
+    // that expiry, 4.01 s. A hit by h2 at 4.03 s is then fine, although it
+    // completes before 260 ms + 4 s (a history the checker used to flag).
+    let history = |first_commit: Option<CallResult>| {
+        let mut events = vec![hit("a", "k", "h1", 0, ok())];
+        if let Some(result) = first_commit {
+            events.push(Event {
+                completed: 260 * MS,
+                ..settle("a", "k", "h1", Settlement::Commit, 10, result)
+            });
+        }
+        events.push(settle("a", "k", "h1", Settlement::Commit, 260, settled()));
+        events.push(hit("b", "k", "h2", 4_030, ok()));
+        events
+    };
+    let report = check(&history(Some(timeout())), &[], &config());
+    assert!(report.is_clean(), "{}", report.render());
+
+    // Without the first attempt, or with one that certainly did nothing, the
+    // claim lives until 4.26 s at the earliest, and h2's Ok is a double accept.
+    let refused = CallResult::Settle(SettleOutcome::NotFound, Answered::Fleet);
+    for first in [None, Some(refused)] {
+        let report = check(&history(first), &[], &config());
+        assert_eq!(
+            report.violations_of(Rule::DoubleAccept),
+            1,
+            "{}",
+            report.render()
+        );
+    }
+}
+
+#[test]
 fn a_second_accept_while_the_first_is_pending_is_a_double_accept() {
     let events = vec![hit("a", "k", "h1", 0, ok()), hit("b", "k", "h2", 100, ok())];
     let report = check(&events, &[], &config());
@@ -311,15 +346,18 @@ fn a_double_accept_inside_a_fault_window_is_attributed_not_a_violation() {
     );
     assert_eq!(report.attributed[0].second.hook_id(), Some("h3"));
 
-    // The same conflict well after the window is a violation.
-    let mut late = committed_then_duplicate();
-    late.push(Event {
-        claim: Some(ClaimRef {
-            ttl_ms: 60_000,
-            ..claim("k", "h1")
-        }),
-        ..settle("a", "k", "h1", Settlement::Commit, 10, settled())
-    });
+    // The same conflict well after the window, on a claim committed for a
+    // minute, is a violation.
+    let mut late = vec![
+        hit("a", "k", "h1", 0, ok()),
+        Event {
+            claim: Some(ClaimRef {
+                ttl_ms: 60_000,
+                ..claim("k", "h1")
+            }),
+            ..settle("a", "k", "h1", Settlement::Commit, 10, settled())
+        },
+    ];
     late.push(hit("c", "k", "h3", 20_000, ok()));
     late.push(Event {
         shard: 1,
