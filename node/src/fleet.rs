@@ -69,6 +69,12 @@ fn lease_valid_until(config: &NodeConfig, sent: Instant) -> std::time::Instant {
     (sent + keep).into_std()
 }
 
+/// The longest a graceful leave may take: three lease TTLs, and at least 10 s.
+/// A healthy leave hands a shard back in about 100 ms.
+fn leave_bound(config: &NodeConfig) -> Duration {
+    (3 * config.lease_ttl()).max(Duration::from_secs(10))
+}
+
 /// The longest a shard's load from KV may take before the lease is given back
 /// and the load tried again.
 const LOAD_BOUND: Duration = Duration::from_secs(30);
@@ -305,8 +311,30 @@ impl Fleet {
         }
     }
 
+    /// Leaves the fleet: withdraws the heartbeat and hands every shard back,
+    /// within [`leave_bound`]. With NATS out of reach each KV call would wait
+    /// out its own bound, one shard after another; past the bound, the shards
+    /// not yet handed back stop answering and their leases lapse by TTL, as
+    /// after a crash, and the node exits all the same.
     async fn leave(&mut self) {
         self.health.set_shutting_down();
+        let bound = leave_bound(&self.config);
+        if tokio::time::timeout(bound, self.hand_back_all())
+            .await
+            .is_err()
+        {
+            for held in self.held.values() {
+                held.window.close();
+            }
+            tracing::warn!(
+                shards = self.held.len(),
+                bound_ms = bound.as_millis() as u64,
+                "leaving took longer than its bound; the shards not handed back stop answering and their leases lapse by TTL"
+            );
+        }
+    }
+
+    async fn hand_back_all(&mut self) {
         if let Err(err) = within(self.config.lease_ttl(), self.kv.leave(&self.config.node_id)).await
         {
             tracing::warn!(error = %err, "could not withdraw heartbeat");

@@ -14,7 +14,7 @@ use ankusa_bus::protocol::{ErrorCode, Op, Reply, ReplyBody, Request};
 use ankusa_bus::{shard_of, FleetConfig, FleetStore, NatsOptions, Store, Subjects};
 use ankusa_node::fleet::target_owner;
 use ankusa_tests::requests::{hit, settle};
-use ankusa_tests::{connected_edge, NatsServer, NodeProcess, NodeSpec};
+use ankusa_tests::{connected_edge, NatsServer, NodeProcess, NodeSpec, Signal};
 use futures::StreamExt;
 
 const SHARDS: u32 = 16;
@@ -514,6 +514,41 @@ async fn a_node_says_when_its_buckets_have_fewer_replicas_than_configured() {
             .hit(hit("acme", "replicas", "h1"), T))
         .await,
         Ok(HitOutcome::Ok)
+    );
+}
+
+/// A node told to stop while its NATS server is gone still exits in bounded
+/// time: every KV call of its leave would time out, one shard after another
+/// (16 × the lease TTL here), so the leave as a whole is bounded and what it
+/// could not hand back lapses by TTL, as after a crash.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_cut_off_from_nats_still_stops_in_bounded_time() {
+    let mut nats = NatsServer::start().await.expect("nats");
+    let mut node =
+        NodeProcess::start(NodeSpec::fleet("node-a", vec![nats.url()])).expect("node starts");
+    node.wait_ready(Duration::from_secs(20))
+        .await
+        .expect("node ready");
+    assert_eq!(node.metric("ankusa_shards_owned").await, Some(16.0));
+    nats.kill().await.expect("nats-server killed");
+    let asked = Instant::now();
+    node.process().signal(Signal::Term).expect("SIGTERM");
+    // The bound is max(3 lease TTLs, 10 s): 10 s with the 2 s TTL here.
+    let status = node
+        .process()
+        .wait_timeout(Duration::from_secs(14))
+        .await
+        .unwrap_or_else(|e| panic!("{e}; log tail:\n{}", node.log_tail(30)));
+    assert!(status.success(), "exit {status:?}");
+    assert!(
+        asked.elapsed() >= Duration::from_secs(1),
+        "it left at once ({:?}): did it try to hand anything back?",
+        asked.elapsed()
+    );
+    assert!(
+        node.log().contains("leases lapse by TTL"),
+        "the node says what it left behind; log tail:\n{}",
+        node.log_tail(30)
     );
 }
 
