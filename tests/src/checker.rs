@@ -22,7 +22,8 @@
 //!    with no release of h1 that could have freed the key invoked before h2's
 //!    hit completed. A repeat keeps the first attempt's expiry (a retried
 //!    commit, a replayed hit), so the clock starts at the earliest attempt of
-//!    h1 that may have taken effect, not at the one answered `Ok`. A conflict where either answer
+//!    h1 that may have taken effect, not at the one answered `Ok`. A conflict
+//!    where either answer
 //!    came from an edge's *local* state is *attributed* (the fleet never saw that
 //!    claim), and so is one whose second hit overlaps a fault window
 //!    `[fault start, fault end + lease TTL + attribution slack]`. Attributed
