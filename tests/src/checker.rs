@@ -24,7 +24,8 @@
 //!    commit, a replayed hit), so the clock starts at the earliest attempt of
 //!    h1 that may have taken effect, not at the one answered `Ok`. A conflict
 //!    where either answer came from an edge's *local* state is *attributed*
-//!    (the fleet never saw that claim), and so is one whose second hit overlaps a fault window
+//!    (the fleet never saw that claim), and so is one whose second hit
+//!    overlaps a fault window
 //!    `[fault start, fault end + lease TTL + attribution slack]`. Attributed
 //!    conflicts are reported, never hidden, but they are not violations.
 //!    `clock_tolerance` is taken off every expiry, because nodes time claims by
