@@ -441,20 +441,40 @@ pub async fn run(
     let mut waiting = false;
     loop {
         let now = Instant::now();
-        if now >= next_round {
-            waiting = fleet.round().await;
-            next_round = Instant::now() + renew_every;
-        } else if waiting {
-            waiting = fleet.acquire().await;
-            fleet
-                .health
-                .set_shards(fleet.held.len(), fleet.targets().len());
-        }
-        if now >= next_tick {
-            fleet.restart_failed().await;
-            fleet.host.tick();
-            export_stats(&fleet.host).await;
-            next_tick = now + Duration::from_secs(1);
+        let finish_grace = fleet.config.lease_ttl();
+        // A round with NATS out of reach waits out each shard's KV bound in turn
+        // (16 shards: over half a minute); a stop waits for it one lease TTL at
+        // most. What a round cut short leaves half done (a lease taken but not
+        // yet served) lapses by TTL.
+        let stopping = {
+            let work = async {
+                if now >= next_round {
+                    waiting = fleet.round().await;
+                    next_round = Instant::now() + renew_every;
+                } else if waiting {
+                    waiting = fleet.acquire().await;
+                    fleet
+                        .health
+                        .set_shards(fleet.held.len(), fleet.targets().len());
+                }
+                if now >= next_tick {
+                    fleet.restart_failed().await;
+                    fleet.host.tick();
+                    export_stats(&fleet.host).await;
+                    next_tick = now + Duration::from_secs(1);
+                }
+            };
+            tokio::pin!(work);
+            tokio::select! {
+                _ = &mut work => false,
+                _ = &mut shutdown => {
+                    let _ = tokio::time::timeout(finish_grace, &mut work).await;
+                    true
+                }
+            }
+        };
+        if stopping {
+            break;
         }
         let wake_at = if waiting {
             (Instant::now() + ACQUIRE_RETRY).min(next_round)

@@ -518,9 +518,10 @@ async fn a_node_says_when_its_buckets_have_fewer_replicas_than_configured() {
 }
 
 /// A node told to stop while its NATS server is gone still exits in bounded
-/// time: every KV call of its leave would time out, one shard after another
-/// (16 × the lease TTL here), so the leave as a whole is bounded and what it
-/// could not hand back lapses by TTL, as after a crash.
+/// time. Every KV call would time out, one shard after another (16 × the lease
+/// TTL here), in the round that is running and in the leave; so the stop does
+/// not wait for the round, the leave as a whole is bounded, and what it could
+/// not hand back lapses by TTL, as after a crash.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_cut_off_from_nats_still_stops_in_bounded_time() {
     let mut nats = NatsServer::start().await.expect("nats");
@@ -531,12 +532,19 @@ async fn a_node_cut_off_from_nats_still_stops_in_bounded_time() {
         .expect("node ready");
     assert_eq!(node.metric("ankusa_shards_owned").await, Some(16.0));
     nats.kill().await.expect("nats-server killed");
+    // Stop it in the middle of a round, while each renewal waits out its bound:
+    // the stop must not wait for the round.
+    node.process()
+        .wait_for_log("lease renewal failed", Duration::from_secs(10))
+        .await
+        .expect("the node notices NATS is gone");
     let asked = Instant::now();
     node.process().signal(Signal::Term).expect("SIGTERM");
-    // The bound is max(3 lease TTLs, 10 s): 10 s with the 2 s TTL here.
+    // The round under way gets one lease TTL to finish, then the leave has
+    // max(3 lease TTLs, 10 s): 2 + 10 s with the 2 s TTL here.
     let status = node
         .process()
-        .wait_timeout(Duration::from_secs(14))
+        .wait_timeout(Duration::from_secs(16))
         .await
         .unwrap_or_else(|e| panic!("{e}; log tail:\n{}", node.log_tail(30)));
     assert!(status.success(), "exit {status:?}");
