@@ -140,13 +140,22 @@ impl Fleet {
     async fn renew(&mut self) {
         self.last_renew = Instant::now();
         let ttl = self.config.lease_ttl();
-        let mut lost = Vec::new();
-        for (&shard, held) in self.held.iter_mut() {
+        // All at once: one after another, a round with NATS out of reach would
+        // wait out every shard's bound in turn (shards × TTL).
+        let renewals = self.held.iter().map(|(&shard, held)| {
             let sent = Instant::now();
             let renewal = self
                 .kv
                 .renew_lease(shard, &self.config.node_id, held.revision, ttl);
-            match within(ttl, renewal).await {
+            async move { (shard, sent, within(ttl, renewal).await) }
+        });
+        let renewed = futures::future::join_all(renewals).await;
+        let mut lost = Vec::new();
+        for (shard, sent, result) in renewed {
+            let Some(held) = self.held.get_mut(&shard) else {
+                continue;
+            };
+            match result {
                 Ok(revision) => {
                     held.revision = revision;
                     held.window.extend_to(lease_valid_until(&self.config, sent));
