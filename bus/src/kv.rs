@@ -276,10 +276,7 @@ impl FleetKv {
                 .get_key_value(bucket)
                 .await
                 .map_err(|e| open_error(bucket, e))?;
-            out.push((
-                bucket.clone(),
-                store.stream.cached_info().config.num_replicas,
-            ));
+            out.push((bucket.clone(), replicas_of(&store)));
         }
         Ok(out)
     }
@@ -570,6 +567,12 @@ fn open_error(bucket: &str, err: impl std::fmt::Display) -> KvError {
     }
 }
 
+/// The replica count of a bucket's stream, as JetStream reported it when the
+/// bucket was opened.
+fn replicas_of(store: &kv::Store) -> usize {
+    store.stream.cached_info().config.num_replicas
+}
+
 /// Whether getting a bucket failed because its stream does not exist (and not
 /// because JetStream did not answer).
 fn is_missing_stream(err: &jetstream::context::KeyValueError) -> bool {
@@ -587,7 +590,7 @@ fn is_missing_stream(err: &jetstream::context::KeyValueError) -> bool {
 /// says so, and exports the count, instead of running with less redundancy
 /// than its operator believes.
 fn check_replicas(store: &kv::Store, configured: usize) {
-    let actual = store.stream.cached_info().config.num_replicas;
+    let actual = replicas_of(store);
     metrics::gauge!("ankusa_kv_bucket_replicas", "bucket" => store.name.clone()).set(actual as f64);
     if actual != configured.max(1) {
         tracing::warn!(

@@ -434,6 +434,8 @@ pub async fn run(
     let wake = Arc::new(Notify::new());
     watch_membership(kv.clone(), wake.clone());
     let renew_every = Duration::from_millis(config.lease_renew_ms);
+    // How long a stop waits for the round under way.
+    let finish_grace = config.lease_ttl();
     let mut fleet = Fleet {
         started_ms: ankusa_bus::kv::now_unix_ms(),
         last_renew: Instant::now(),
@@ -450,7 +452,6 @@ pub async fn run(
     let mut waiting = false;
     loop {
         let now = Instant::now();
-        let finish_grace = fleet.config.lease_ttl();
         // A round with NATS out of reach waits out each shard's KV bound in turn
         // (16 shards: over half a minute); a stop waits for it one lease TTL at
         // most. What a round cut short leaves half done (a lease taken but not

@@ -837,8 +837,8 @@ async fn run(nats: Nats, replicas: usize) -> (Report, Vec<CutSeen>) {
 }
 
 /// Why this run's logs should outlive it, if they should: a violation, a
-/// double accept the checker put down to a fault (each so far unexplained), or
-/// `ANKUSA_KEEP_LOGS=1`.
+/// double accept the checker put down to a fault (each one is worth
+/// explaining), or `ANKUSA_KEEP_LOGS=1`.
 fn logs_worth_keeping(report: &Report) -> Option<&'static str> {
     if !report.violations.is_empty() {
         Some("violations")

@@ -192,12 +192,9 @@ async fn an_edge_with_a_private_inbox_prefix_is_answered_there() {
         .expect("nats-server with the deploy permissions starts");
     let url = nats.url();
     let _node = fleet_node_as_node_user("n1", &url).await;
-    let login = |o: &mut NatsOptions| {
+    let edge = connected(options(&url, |o| {
         o.user = Some("edge-eu1".into());
         o.password = Some("eu1-pw".into());
-    };
-    let edge = connected(options(&url, |o| {
-        login(o);
         o.inbox_prefix = Some("_INBOX_edge_eu1".into());
     }))
     .await;
@@ -212,7 +209,7 @@ async fn an_edge_with_a_private_inbox_prefix_is_answered_there() {
 
     // The same user on the shared inbox: its subscription is refused, so no
     // answer ever reaches it.
-    let shared = connected(options(&url, login)).await;
+    let shared = edge_as(&url, "edge-eu1", "eu1-pw").await;
     let got = shared.hit(hit("acme", "evt-shared", "h"), T).await;
     assert!(matches!(got, Err(StoreError::Timeout(_))), "{got:?}");
     assert!(
@@ -317,11 +314,7 @@ async fn the_documented_permissions_let_node_and_edge_work_and_nobody_else() {
 
     // Authenticated, but without publish rights on the shard subjects: the
     // request is dropped by the server, so no answer can ever come.
-    let intruder = connected(options(&url, |o| {
-        o.user = Some("intruder".into());
-        o.password = Some("intruder-pw".into());
-    }))
-    .await;
+    let intruder = edge_as(&url, "intruder", "intruder-pw").await;
     for i in 0..3 {
         let got = intruder
             .hit(hit("acme", &format!("intrude-{i}"), "x"), T)
