@@ -1,7 +1,8 @@
 //! The cost of one hit: the pure decision (`TenantState::hit`) and the round trip
-//! through a `ShardActor` and its tenant actor, on a current-thread and a
-//! multi-thread tokio runtime. After the criterion runs, a plain latency pass
-//! prints p50/p99/p99.9 of single actor round trips, since the target is a median.
+//! through a `ShardActor` and its tenant actor, on a current-thread runtime (the
+//! one a node runs on by default, `worker_threads = 1`) and on a multi-thread one
+//! (`worker_threads = 0`). After the criterion runs, a plain latency pass prints
+//! p50/p99/p99.9 of single actor round trips, since the target is a median.
 //!
 //! Run: `cargo bench -p ankusa-actors --bench hit`; set `HIT_BENCH_LATENCY=off` to
 //! skip the latency pass.
@@ -203,8 +204,6 @@ fn actor(c: &mut Criterion) {
 
     // Throughput with many callers in flight across several tenants of one shard,
     // as a node's subscriber sees it.
-    let rt = runtime(true);
-    let shard = shard(&rt);
     const CALLERS: u64 = 64;
     group.throughput(Throughput::Elements(CALLERS));
     // 256 keys a caller: a key comes round only after its 1 ms pending TTL.
@@ -221,30 +220,37 @@ fn actor(c: &mut Criterion) {
             })
             .collect(),
     );
-    group.bench_function("64_in_flight_16_tenants_multi_thread", |b| {
-        b.iter_custom(|iters| {
-            rt.block_on(async {
-                let start = Instant::now();
-                let tasks: Vec<_> = (0..CALLERS as usize)
-                    .map(|caller| {
-                        let shard = shard.clone();
-                        let reqs = per_caller.clone();
-                        tokio::spawn(async move {
-                            let mine = &reqs[caller];
-                            for i in 0..iters as usize {
-                                round_trip(&shard, mine[i % mine.len()].clone()).await;
-                            }
+    for (name, multi) in [
+        ("64_in_flight_16_tenants_current_thread", false),
+        ("64_in_flight_16_tenants_multi_thread", true),
+    ] {
+        let rt = runtime(multi);
+        let shard = shard(&rt);
+        group.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                rt.block_on(async {
+                    let start = Instant::now();
+                    let tasks: Vec<_> = (0..CALLERS as usize)
+                        .map(|caller| {
+                            let shard = shard.clone();
+                            let reqs = per_caller.clone();
+                            tokio::spawn(async move {
+                                let mine = &reqs[caller];
+                                for i in 0..iters as usize {
+                                    round_trip(&shard, mine[i % mine.len()].clone()).await;
+                                }
+                            })
                         })
-                    })
-                    .collect();
-                for task in tasks {
-                    task.await.expect("caller");
-                }
-                start.elapsed()
+                        .collect();
+                    for task in tasks {
+                        task.await.expect("caller");
+                    }
+                    start.elapsed()
+                })
             })
-        })
-    });
-    shard.stop(None);
+        });
+        shard.stop(None);
+    }
     group.finish();
 }
 

@@ -11,6 +11,9 @@ use ankusa_bus::{NatsOptions, Subjects};
 use clap::{Args, ValueEnum};
 use serde::{Deserialize, Serialize};
 
+/// More worker threads than any host has cores: a typo, not a setting.
+const MAX_WORKER_THREADS: usize = 1024;
+
 /// How a node decides which shards it serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -87,6 +90,11 @@ pub struct NodeConfig {
     pub sweep_every_ms: u64,
     /// Requests one tenant may have queued before more are shed.
     pub tenant_queue: usize,
+    /// Threads that run the node's work. 1: one thread, on which a request's
+    /// every hop (connection, shard, tenant, claim log) stays; to use more
+    /// cores, run more nodes (the fleet spreads shards over them). 0: a
+    /// work-stealing pool of one thread per CPU; N: a pool of N threads.
+    pub worker_threads: usize,
     /// Where `/metrics`, `/healthz` and `/readyz` are served; `off` (or
     /// `none`, or empty) to disable.
     #[serde(with = "http_addr_text")]
@@ -112,6 +120,7 @@ impl Default for NodeConfig {
             idle_after_ms: 30_000,
             sweep_every_ms: 5_000,
             tenant_queue: 1024,
+            worker_threads: 1,
             http_addr: Some(SocketAddr::from(([127, 0, 0, 1], 9464))),
             log_format: LogFormat::Human,
             log_level: "info".into(),
@@ -217,6 +226,9 @@ pub struct Overrides {
     /// Requests a tenant may queue before being shed [default: 1024]
     #[arg(long, env = "ANKUSA_TENANT_QUEUE")]
     pub tenant_queue: Option<usize>,
+    /// Threads for the node's work: 1 one thread, 0 one per CPU [default: 1]
+    #[arg(long, env = "ANKUSA_WORKER_THREADS")]
+    pub worker_threads: Option<usize>,
     /// Address for /metrics, /healthz, /readyz; `off` to disable [default: 127.0.0.1:9464]
     #[arg(long, env = "ANKUSA_HTTP_ADDR")]
     pub http_addr: Option<String>,
@@ -320,6 +332,7 @@ impl NodeConfig {
         set(&mut self.lease_renew_ms, &o.lease_renew_ms);
         set(&mut self.write_behind_ms, &o.write_behind_ms);
         set(&mut self.tenant_queue, &o.tenant_queue);
+        set(&mut self.worker_threads, &o.worker_threads);
         set(&mut self.idle_after_ms, &o.idle_after_ms);
         set(&mut self.sweep_every_ms, &o.sweep_every_ms);
         set(&mut self.log_format, &o.log_format);
@@ -387,6 +400,15 @@ impl NodeConfig {
         }
         if self.tenant_queue == 0 {
             return Err(invalid("tenant_queue", "must be at least 1"));
+        }
+        if self.worker_threads > MAX_WORKER_THREADS {
+            return Err(invalid(
+                "worker_threads",
+                format!(
+                    "{} is over {MAX_WORKER_THREADS}; 1 is one thread, 0 one per CPU",
+                    self.worker_threads
+                ),
+            ));
         }
         Ok(())
     }
@@ -484,6 +506,11 @@ mod tests {
             ..Default::default()
         })
         .contains("http_addr"));
+        assert!(bad(Overrides {
+            worker_threads: Some(5_000),
+            ..Default::default()
+        })
+        .contains("worker_threads"));
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("node.toml");
         std::fs::write(&path, "shardz = 3\n").unwrap();

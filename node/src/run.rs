@@ -44,6 +44,23 @@ pub(crate) fn shard_config(config: &NodeConfig) -> ShardConfig {
     }
 }
 
+/// The runtime a node runs on, as `worker_threads` says. One thread keeps all
+/// of a request's hops (connection, shard actor, tenant actor, claim log) on
+/// the thread it arrived on; a pool lets tasks move between threads, and on a
+/// small VM each move wakes a sleeping thread (docs/benchmarks.md, "Core").
+pub fn runtime(config: &NodeConfig) -> std::io::Result<tokio::runtime::Runtime> {
+    let mut builder = match config.worker_threads {
+        1 => tokio::runtime::Builder::new_current_thread(),
+        0 => tokio::runtime::Builder::new_multi_thread(),
+        n => {
+            let mut pool = tokio::runtime::Builder::new_multi_thread();
+            pool.worker_threads(n);
+            pool
+        }
+    };
+    builder.enable_all().build()
+}
+
 /// Runs a node until `shutdown` resolves, then hands its shards back.
 pub async fn run(config: NodeConfig, shutdown: impl Future<Output = ()>) -> Result<(), NodeError> {
     let health = Arc::new(Health::default());
@@ -65,6 +82,7 @@ pub async fn run(config: NodeConfig, shutdown: impl Future<Output = ()>) -> Resu
         instance = %config.instance,
         shards = config.shards,
         mode = ?config.mode,
+        worker_threads = config.worker_threads,
         servers = ?config.nats.servers,
         "node starting"
     );
@@ -146,5 +164,32 @@ pub async fn shutdown_signal() {
         _ => {
             let _ = tokio::signal::ctrl_c().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::runtime::RuntimeFlavor;
+
+    use super::*;
+
+    fn flavor(worker_threads: usize) -> (RuntimeFlavor, usize) {
+        let config = NodeConfig {
+            worker_threads,
+            ..NodeConfig::default()
+        };
+        let rt = runtime(&config).expect("runtime");
+        let metrics = rt.metrics();
+        (rt.handle().runtime_flavor(), metrics.num_workers())
+    }
+
+    #[test]
+    fn worker_threads_picks_the_runtime() {
+        assert_eq!(NodeConfig::default().worker_threads, 1);
+        assert_eq!(flavor(1), (RuntimeFlavor::CurrentThread, 1));
+        assert_eq!(flavor(3), (RuntimeFlavor::MultiThread, 3));
+        let (pool, workers) = flavor(0);
+        assert_eq!(pool, RuntimeFlavor::MultiThread);
+        assert!(workers >= 1);
     }
 }

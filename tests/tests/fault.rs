@@ -67,6 +67,8 @@ const GAP: Duration = Duration::from_secs(3);
 const MAX_ITERATIONS: u64 = 100_000;
 /// The node whose link to NATS runs through the [`NetCut`] proxy.
 const CUT_NODE: &str = "node-c";
+/// The node that runs on a pool of worker threads.
+const POOL_NODE: &str = "node-b";
 /// How long a network cut lasts: three lease TTLs, so the node's leases lapse
 /// and the rest of the fleet has time to take its shards over while it is cut.
 const CUT: Duration = Duration::from_millis(3 * LEASE_TTL_MS);
@@ -143,12 +145,20 @@ impl Fleet {
         } else {
             self.nats.urls()
         };
+        // node-b runs a thread pool, the others one thread (the default), so
+        // both runtimes face every fault.
+        let extra_args = if id == POOL_NODE {
+            vec!["--worker-threads".into(), "0".into()]
+        } else {
+            Vec::new()
+        };
         NodeSpec {
             lease_ttl_ms: LEASE_TTL_MS,
             lease_renew_ms: LEASE_RENEW_MS,
             lease_margin_ms: LEASE_MARGIN_MS,
             kv_replicas: self.replicas,
             shards: SHARDS,
+            extra_args,
             ..NodeSpec::fleet(id, servers)
         }
     }

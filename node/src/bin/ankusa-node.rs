@@ -53,10 +53,7 @@ fn main() -> ExitCode {
         }
     };
     init_logs(&config);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match ankusa_node::run::runtime(&config) {
         Ok(rt) => rt,
         Err(err) => {
             eprintln!("ankusa-node: cannot start the runtime: {err}");
