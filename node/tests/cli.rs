@@ -3,6 +3,7 @@
 //! (found as `NATS_SERVER_BIN` or on PATH; the test fails without one).
 
 use std::net::TcpListener;
+use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -164,6 +165,22 @@ fn calls_against_a_standalone_node() {
     // An invalid request is refused before it is sent, with exit code 2.
     let bad = ankusa(&nats, &["hit", "--tenant", "acme", "--key", "k"]);
     assert_eq!(bad.status.code(), Some(2), "{bad:?}");
+
+    // A reader that goes away (`ankusa ... | head`) ends the CLI by SIGPIPE,
+    // quietly, as other Unix tools end; not with a panic on the closed pipe.
+    let mut gone = Command::new(env!("CARGO_BIN_EXE_ankusa"))
+        .args(["--nats", &nats, "--instance", "clitest", "--shards", "8"])
+        .args(["hit", "--tenant", "acme"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("ankusa runs");
+    drop(gone.stdout.take());
+    let gone = gone.wait_with_output().expect("ankusa ends");
+    let said = String::from_utf8_lossy(&gone.stderr);
+    assert!(!said.contains("panicked"), "{said}");
+    const SIGPIPE: i32 = 13;
+    assert_eq!(gone.status.signal(), Some(SIGPIPE), "{gone:?}");
 
     // Nobody serves another instance: an error, exit code 1, within the budget.
     // The budget is roomy so that a loaded machine's stalls land inside the

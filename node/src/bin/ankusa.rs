@@ -11,6 +11,13 @@ use clap::Parser;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
+    // Like other Unix tools, end quietly when the reader of the output goes
+    // (`ankusa status | head`); Rust ignores SIGPIPE, so each print would
+    // otherwise panic on the closed pipe.
+    // SAFETY: restoring a signal's default action, before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     // Logs only when asked for (RUST_LOG): the output is for people.
     if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_default_env() {
