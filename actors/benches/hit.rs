@@ -187,25 +187,37 @@ fn timed_round_trips(rt: &Runtime, shard: &ActorRef<ShardMsg>, iters: u64) -> Du
     .expect("bench task")
 }
 
-fn actor(c: &mut Criterion) {
-    let mut group = c.benchmark_group("actor");
-    group.throughput(Throughput::Elements(1));
-    for (name, multi) in [
-        ("round_trip_current_thread", false),
-        ("round_trip_multi_thread", true),
-    ] {
-        let rt = runtime(multi);
-        let shard = shard(&rt);
-        group.bench_function(name, |b| {
-            b.iter_custom(|iters| timed_round_trips(&rt, &shard, iters))
-        });
-        shard.stop(None);
-    }
+/// Callers in flight across several tenants of one shard, as a node's
+/// subscriber sees them: each caller runs `iters` round trips over its keys.
+fn timed_in_flight(
+    rt: &Runtime,
+    shard: &ActorRef<ShardMsg>,
+    per_caller: &Arc<Vec<Vec<HitRequest>>>,
+    iters: u64,
+) -> Duration {
+    rt.block_on(async {
+        let start = Instant::now();
+        let tasks: Vec<_> = (0..per_caller.len())
+            .map(|caller| {
+                let shard = shard.clone();
+                let reqs = per_caller.clone();
+                tokio::spawn(async move {
+                    let mine = &reqs[caller];
+                    for i in 0..iters as usize {
+                        round_trip(&shard, mine[i % mine.len()].clone()).await;
+                    }
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await.expect("caller");
+        }
+        start.elapsed()
+    })
+}
 
-    // Throughput with many callers in flight across several tenants of one shard,
-    // as a node's subscriber sees it.
+fn actor(c: &mut Criterion) {
     const CALLERS: u64 = 64;
-    group.throughput(Throughput::Elements(CALLERS));
     // 256 keys a caller: a key comes round only after its 1 ms pending TTL.
     let per_caller: Arc<Vec<Vec<HitRequest>>> = Arc::new(
         (0..CALLERS as usize)
@@ -220,34 +232,17 @@ fn actor(c: &mut Criterion) {
             })
             .collect(),
     );
-    for (name, multi) in [
-        ("64_in_flight_16_tenants_current_thread", false),
-        ("64_in_flight_16_tenants_multi_thread", true),
-    ] {
+    let mut group = c.benchmark_group("actor");
+    for (runtime_name, multi) in [("current_thread", false), ("multi_thread", true)] {
         let rt = runtime(multi);
         let shard = shard(&rt);
-        group.bench_function(name, |b| {
-            b.iter_custom(|iters| {
-                rt.block_on(async {
-                    let start = Instant::now();
-                    let tasks: Vec<_> = (0..CALLERS as usize)
-                        .map(|caller| {
-                            let shard = shard.clone();
-                            let reqs = per_caller.clone();
-                            tokio::spawn(async move {
-                                let mine = &reqs[caller];
-                                for i in 0..iters as usize {
-                                    round_trip(&shard, mine[i % mine.len()].clone()).await;
-                                }
-                            })
-                        })
-                        .collect();
-                    for task in tasks {
-                        task.await.expect("caller");
-                    }
-                    start.elapsed()
-                })
-            })
+        group.throughput(Throughput::Elements(1));
+        group.bench_function(format!("round_trip_{runtime_name}"), |b| {
+            b.iter_custom(|iters| timed_round_trips(&rt, &shard, iters))
+        });
+        group.throughput(Throughput::Elements(CALLERS));
+        group.bench_function(format!("64_in_flight_16_tenants_{runtime_name}"), |b| {
+            b.iter_custom(|iters| timed_in_flight(&rt, &shard, &per_caller, iters))
         });
         shard.stop(None);
     }
