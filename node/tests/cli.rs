@@ -47,13 +47,17 @@ fn wait_listening(port: u16) {
     }
 }
 
-fn ankusa(nats: &str, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ankusa"))
-        .args(["--nats", nats, "--instance", "clitest", "--shards", "8"])
+/// `ankusa` on the test's instance, ready to run.
+fn ankusa_command(nats: &str, args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ankusa"));
+    cmd.args(["--nats", nats, "--instance", "clitest", "--shards", "8"])
         .args(args)
-        .env_remove("ANKUSA_NATS")
-        .output()
-        .expect("ankusa runs")
+        .env_remove("ANKUSA_NATS");
+    cmd
+}
+
+fn ankusa(nats: &str, args: &[&str]) -> Output {
+    ankusa_command(nats, args).output().expect("ankusa runs")
 }
 
 fn stdout(out: &Output) -> String {
@@ -168,9 +172,7 @@ fn calls_against_a_standalone_node() {
 
     // A reader that goes away (`ankusa ... | head`) ends the CLI by SIGPIPE,
     // quietly, as other Unix tools end; not with a panic on the closed pipe.
-    let mut gone = Command::new(env!("CARGO_BIN_EXE_ankusa"))
-        .args(["--nats", &nats, "--instance", "clitest", "--shards", "8"])
-        .args(["hit", "--tenant", "acme"])
+    let mut gone = ankusa_command(&nats, &["hit", "--tenant", "acme"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -179,8 +181,7 @@ fn calls_against_a_standalone_node() {
     let gone = gone.wait_with_output().expect("ankusa ends");
     let said = String::from_utf8_lossy(&gone.stderr);
     assert!(!said.contains("panicked"), "{said}");
-    const SIGPIPE: i32 = 13;
-    assert_eq!(gone.status.signal(), Some(SIGPIPE), "{gone:?}");
+    assert_eq!(gone.status.signal(), Some(libc::SIGPIPE), "{gone:?}");
 
     // Nobody serves another instance: an error, exit code 1, within the budget.
     // The budget is roomy so that a loaded machine's stalls land inside the
