@@ -6,10 +6,11 @@
 //!   the request (`timeout_ms`) so a node drops work the edge has given up on.
 //! - "No responders" means no node serves the shard right now (a handoff): the
 //!   client retries with a short, growing pause while the budget allows.
-//! - Micro-batching: while a request is in flight to the node serving a shard,
-//!   further hits and settles for any shard of that node queue up and leave
-//!   together in one `batch` message to the node's subject when it returns. A
-//!   lone request is never held back, and always goes to its shard's subject,
+//! - Micro-batching: while [`FleetConfig::max_in_flight`] requests are in flight
+//!   to the node serving a shard, further hits and settles for any shard of that
+//!   node queue up and leave together in one `batch` message to the node's
+//!   subject as soon as one returns. A lone request (room on the lane, nobody
+//!   queued) is never held back, and always goes to its shard's subject,
 //!   whose reply names the node serving the shard: that is how the edge learns
 //!   where to batch. Until it knows, it batches per shard. An item the node no
 //!   longer serves comes back `wrong_node`, unapplied, and is sent again to its
@@ -49,6 +50,10 @@ pub struct FleetConfig {
     pub node_batches: bool,
     /// Most calls in one batch.
     pub max_batch: usize,
+    /// With batching: most requests in flight at once to one node (or, until
+    /// its node is known, to one shard). More than one lets the node work on
+    /// the next batch while the last one waits for its claims' KV write.
+    pub max_in_flight: usize,
 }
 
 impl FleetConfig {
@@ -60,6 +65,7 @@ impl FleetConfig {
             batching: true,
             node_batches: true,
             max_batch: 64,
+            max_in_flight: 4,
         }
     }
 }
@@ -75,6 +81,9 @@ pub enum ClientConfigError {
     Shards(u32),
 }
 
+/// Most requests a lane keeps in flight at once, whatever is configured.
+pub const MAX_IN_FLIGHT_PER_LANE: usize = 64;
+
 /// A call waiting for its lane's in-flight request to come back.
 struct Queued {
     shard: usize,
@@ -83,11 +92,54 @@ struct Queued {
     reply: oneshot::Sender<Result<ReplyBody, StoreError>>,
 }
 
-/// Per lane: is a request in flight, and who waits to go next.
+/// Per lane: how many requests are in flight, and who waits to go next.
 #[derive(Default)]
 struct Lane {
-    busy: bool,
+    in_flight: usize,
     queue: Vec<Queued>,
+}
+
+impl Lane {
+    /// Takes room for a call to go alone, if there is room and nobody waits
+    /// (a lone call is never held back); otherwise the call waits in the queue
+    /// for its batch.
+    fn go_alone(&mut self, max_in_flight: usize) -> bool {
+        let alone = self.in_flight < max_in_flight && self.queue.is_empty();
+        if alone {
+            self.in_flight += 1;
+        }
+        alone
+    }
+
+    /// The next batch to send (up to `max_batch` calls, oldest first) if there
+    /// is room, with the room taken. Calls whose caller is gone are dropped,
+    /// and those past their deadline are answered `Timeout`, first.
+    fn next_batch(
+        &mut self,
+        now: Instant,
+        max_in_flight: usize,
+        max_batch: usize,
+    ) -> Option<Vec<Queued>> {
+        let (live, expired): (Vec<_>, Vec<_>) = std::mem::take(&mut self.queue)
+            .into_iter()
+            .filter(|q| !q.reply.is_closed())
+            .partition(|q| q.deadline > now);
+        self.queue = live;
+        for q in expired {
+            let _ = q.reply.send(Err(StoreError::Timeout(Duration::ZERO)));
+        }
+        if self.queue.is_empty() || self.in_flight >= max_in_flight {
+            return None;
+        }
+        self.in_flight += 1;
+        let take = self.queue.len().min(max_batch);
+        Some(self.queue.drain(..take).collect())
+    }
+
+    /// A request of this lane ended: its room is free.
+    fn finished(&mut self) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+    }
 }
 
 type LaneRef = Arc<Mutex<Lane>>;
@@ -122,6 +174,7 @@ struct Inner {
     /// Set once the server refused this edge a publish on a node subject.
     node_subjects_denied: Arc<AtomicBool>,
     max_batch: usize,
+    max_in_flight: usize,
     shard_lanes: Vec<LaneRef>,
     /// The node each shard was last answered by, learned from its replies.
     owners: Vec<Mutex<Option<Arc<str>>>>,
@@ -185,6 +238,7 @@ impl FleetStore {
                 node_batches: config.node_batches,
                 node_subjects_denied,
                 max_batch: config.max_batch.clamp(1, MAX_BATCH),
+                max_in_flight: config.max_in_flight.clamp(1, MAX_IN_FLIGHT_PER_LANE),
                 shard_lanes: (0..shards).map(|_| LaneRef::default()).collect(),
                 owners: (0..shards).map(|_| Mutex::default()).collect(),
                 node_lanes: Mutex::default(),
@@ -390,8 +444,8 @@ impl Inner {
             .clone()
     }
 
-    /// Goes alone when the call's lane is idle; otherwise waits to leave with
-    /// the next batch.
+    /// Goes alone when the call's lane has room and nobody waits; otherwise
+    /// waits to leave with the next batch.
     async fn call_batched(
         self: Arc<Self>,
         shard: usize,
@@ -399,10 +453,12 @@ impl Inner {
         deadline: Instant,
     ) -> Result<ReplyBody, StoreError> {
         let route = self.route(shard);
-        // Either the call joins the queue (and waits for its batch) or it takes the lane.
+        // Either the call takes room on the lane or it waits for its batch.
         let op = {
             let mut lane = lock(&route.lane);
-            if lane.busy {
+            if lane.go_alone(self.max_in_flight) {
+                Ok(op)
+            } else {
                 let (reply, rx) = oneshot::channel();
                 lane.queue.push(Queued {
                     shard,
@@ -411,9 +467,6 @@ impl Inner {
                     reply,
                 });
                 Err(rx)
-            } else {
-                lane.busy = true;
-                Ok(op)
             }
         };
         let op = match op {
@@ -424,7 +477,7 @@ impl Inner {
                     .unwrap_or_else(|_| Err(StoreError::Transport("batch dropped".into())));
             }
         };
-        // Whatever happens to this call, the lane must be handed on.
+        // Whatever happens to this call, its room must be handed on.
         let lane_guard = LaneHandoff {
             inner: self.clone(),
             route,
@@ -434,28 +487,26 @@ impl Inner {
         result
     }
 
-    /// Flushes a lane's queue batch by batch until it is empty, then frees the lane.
-    async fn drain(self: Arc<Self>, route: Route) {
+    /// Sends the lane's queue, batch by batch, while the lane has room; each
+    /// batch hands its room on when it ends.
+    fn pump(self: &Arc<Self>, route: &Route) {
         loop {
-            let batch: Vec<Queued> = {
-                let mut lane = lock(&route.lane);
-                let now = Instant::now();
-                let (live, expired): (Vec<_>, Vec<_>) = std::mem::take(&mut lane.queue)
-                    .into_iter()
-                    .filter(|q| !q.reply.is_closed())
-                    .partition(|q| q.deadline > now);
-                lane.queue = live;
-                for q in expired {
-                    let _ = q.reply.send(Err(StoreError::Timeout(Duration::ZERO)));
-                }
-                if lane.queue.is_empty() {
-                    lane.busy = false;
-                    return;
-                }
-                let take = lane.queue.len().min(self.max_batch);
-                lane.queue.drain(..take).collect()
+            let Some(batch) =
+                lock(&route.lane).next_batch(Instant::now(), self.max_in_flight, self.max_batch)
+            else {
+                return;
             };
-            self.send_batch(route.node.as_ref(), batch).await;
+            let handoff = LaneHandoff {
+                inner: self.clone(),
+                route: route.clone(),
+            };
+            tokio::spawn(async move {
+                handoff
+                    .inner
+                    .send_batch(handoff.route.node.as_ref(), batch)
+                    .await;
+                drop(handoff);
+            });
         }
     }
 
@@ -557,8 +608,8 @@ impl Inner {
     }
 }
 
-/// Hands a lane to its queue (or frees it) when the call that held it ends,
-/// even if that call was cancelled by its deadline.
+/// Gives a lane's room back, and sends its queue, when the request that held
+/// the room ends, even if that request was cancelled by its deadline.
 struct LaneHandoff {
     inner: Arc<Inner>,
     route: Route,
@@ -566,18 +617,8 @@ struct LaneHandoff {
 
 impl Drop for LaneHandoff {
     fn drop(&mut self) {
-        let has_queue = {
-            let mut lane = lock(&self.route.lane);
-            if lane.queue.is_empty() {
-                lane.busy = false;
-                false
-            } else {
-                true
-            }
-        };
-        if has_queue {
-            tokio::spawn(self.inner.clone().drain(self.route.clone()));
-        }
+        lock(&self.route.lane).finished();
+        self.inner.pump(&self.route);
     }
 }
 
@@ -613,5 +654,110 @@ impl Store for FleetStore {
             ReplyBody::Reset => Ok(()),
             other => Err(StoreError::unexpected("reset", other)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn queued(
+        lane: &mut Lane,
+        tenant: &str,
+        deadline: Instant,
+    ) -> oneshot::Receiver<Result<ReplyBody, StoreError>> {
+        let (reply, rx) = oneshot::channel();
+        lane.queue.push(Queued {
+            shard: 0,
+            op: Op::Reset {
+                tenant: tenant.into(),
+            },
+            deadline,
+            reply,
+        });
+        rx
+    }
+
+    fn tenants(batch: &[Queued]) -> Vec<String> {
+        batch
+            .iter()
+            .map(|q| match &q.op {
+                Op::Reset { tenant } => tenant.clone(),
+                other => panic!("unexpected {other:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_lane_keeps_at_most_max_in_flight_requests() {
+        let now = Instant::now();
+        let later = now + Duration::from_secs(1);
+        let mut lane = Lane::default();
+        assert!(lane.go_alone(2));
+        assert!(lane.go_alone(2));
+        assert!(
+            !lane.go_alone(2),
+            "a third call went alone with two in flight"
+        );
+        let _a = queued(&mut lane, "a", later);
+        let _b = queued(&mut lane, "b", later);
+        assert!(
+            lane.next_batch(now, 2, 64).is_none(),
+            "a batch left with no room"
+        );
+        lane.finished();
+        let batch = lane.next_batch(now, 2, 64).expect("room for the queue");
+        assert_eq!(tenants(&batch), ["a", "b"]);
+        assert_eq!(lane.in_flight, 2);
+        assert!(
+            lane.next_batch(now, 2, 64).is_none(),
+            "nothing is left to send"
+        );
+    }
+
+    #[test]
+    fn a_lone_call_does_not_pass_those_queued() {
+        let now = Instant::now();
+        let mut lane = Lane::default();
+        assert!(lane.go_alone(1));
+        let _a = queued(&mut lane, "a", now + Duration::from_secs(1));
+        lane.finished();
+        assert!(!lane.go_alone(4), "a call went ahead of the queue");
+        assert_eq!(lane.in_flight, 0);
+    }
+
+    #[test]
+    fn batches_take_the_oldest_calls_up_to_max_batch() {
+        let now = Instant::now();
+        let later = now + Duration::from_secs(1);
+        let mut lane = Lane::default();
+        let _rx: Vec<_> = ["a", "b", "c"]
+            .iter()
+            .map(|t| queued(&mut lane, t, later))
+            .collect();
+        let first = lane.next_batch(now, 4, 2).expect("a batch");
+        let second = lane
+            .next_batch(now, 4, 2)
+            .expect("a second batch: there is room");
+        assert_eq!(
+            (tenants(&first), tenants(&second)),
+            (vec!["a".to_string(), "b".into()], vec!["c".to_string()])
+        );
+        assert_eq!(lane.in_flight, 2);
+    }
+
+    #[test]
+    fn expired_calls_are_answered_timeout_and_abandoned_ones_dropped() {
+        let now = Instant::now();
+        let mut lane = Lane::default();
+        let mut expired = queued(&mut lane, "expired", now);
+        drop(queued(&mut lane, "abandoned", now + Duration::from_secs(1)));
+        let _live = queued(&mut lane, "live", now + Duration::from_secs(1));
+        let batch = lane.next_batch(now, 1, 64).expect("the live call leaves");
+        assert_eq!(tenants(&batch), ["live"]);
+        assert!(matches!(
+            expired.try_recv(),
+            Ok(Err(StoreError::Timeout(_)))
+        ));
     }
 }

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ankusa_bus::NatsOptions;
+use ankusa_bus::{FleetStore, NatsOptions};
 use clap::{Args, Subcommand};
 use serde::Serialize;
 
@@ -111,6 +111,10 @@ pub struct WorkloadArgs {
     /// Edge batching of the fleet client (on/off)
     #[arg(long, default_value = "on", value_parser = on_off, action = clap::ArgAction::Set)]
     pub batching: bool,
+    /// With batching: most requests the edge keeps in flight to one node
+    /// [default: the edge client's, 4]
+    #[arg(long)]
+    pub edge_in_flight: Option<usize>,
     /// Seed of the random choices
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -167,7 +171,7 @@ pub async fn bench(global: &Global, args: BenchArgs) -> Result<(), CliError> {
     if args.compare {
         return compare(global, &args, cfg).await;
     }
-    let report = run_fleet(global, &cfg, args.workload.batching).await?;
+    let report = run_fleet(global, &cfg, &args.workload, args.workload.batching).await?;
     println!("{report}");
     if let Some(path) = &args.json {
         write_json(path, &report)?;
@@ -178,9 +182,14 @@ pub async fn bench(global: &Global, args: BenchArgs) -> Result<(), CliError> {
 async fn run_fleet(
     global: &Global,
     cfg: &WorkloadConfig,
+    args: &WorkloadArgs,
     batching: bool,
 ) -> Result<WorkloadReport, CliError> {
-    let store = global.fleet(batching).await?;
+    let mut config = global.fleet_config(batching);
+    if let Some(n) = args.edge_in_flight {
+        config.max_in_flight = n;
+    }
+    let store = FleetStore::connect(config).await?;
     super::wait_connected(store.nats(), Duration::from_secs(5)).await?;
     let label = if batching { "fleet+batch" } else { "fleet" };
     eprintln!("bench: {label}, {} ...", cfg.mode_label());
@@ -318,8 +327,8 @@ async fn compare(global: &Global, args: &BenchArgs, cfg: WorkloadConfig) -> Resu
     let redis_peak = workload::run(Arc::new(redis), &cfg)
         .await?
         .labelled("redis-lua");
-    let fleet = run_fleet(global, &cfg, false).await?;
-    let fleet_batch = run_fleet(global, &cfg, true).await?;
+    let fleet = run_fleet(global, &cfg, &args.workload, false).await?;
+    let fleet_batch = run_fleet(global, &cfg, &args.workload, true).await?;
 
     let mut half_peak = Vec::new();
     if !args.no_half_peak {
@@ -333,7 +342,9 @@ async fn compare(global: &Global, args: &BenchArgs, cfg: WorkloadConfig) -> Resu
                 ..cfg.clone()
             };
             let label = if batching { "fleet+b@50%" } else { "fleet@50%" };
-            let f = run_fleet(global, &open, batching).await?.labelled(label);
+            let f = run_fleet(global, &open, &args.workload, batching)
+                .await?
+                .labelled(label);
             eprintln!("bench: echo, {} ...", open.mode_label());
             let e = workload::run(Arc::clone(&echo), &open)
                 .await?
