@@ -18,7 +18,7 @@
 #   scripts/bench.sh --scale [--duration S]   # 1, 2, 4 nodes x 16, 64, 256 shards
 set -euo pipefail
 
-duration=6 nodes=3 shards=64 runs=2 scale=0 memory=0 main=1 memory_what="claims tenants control parked" memory_count=1000000 out=""
+duration=6 nodes=2 shards=64 runs=2 scale=0 memory=0 main=1 memory_what="claims tenants control parked" memory_count=1000000 out=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --duration) duration=$2; shift 2 ;;

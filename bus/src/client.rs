@@ -6,11 +6,12 @@
 //!   the request (`timeout_ms`) so a node drops work the edge has given up on.
 //! - "No responders" means no node serves the shard right now (a handoff): the
 //!   client retries with a short, growing pause while the budget allows.
-//! - Micro-batching: while [`FleetConfig::max_in_flight`] requests are in flight
-//!   to the node serving a shard, further hits and settles for any shard of that
-//!   node queue up and leave together in one `batch` message to the node's
-//!   subject as soon as one returns. A lone request (room on the lane, nobody
-//!   queued) is never held back, and always goes to its shard's subject,
+//! - Micro-batching: while a request is in flight to the node serving a shard,
+//!   further hits and settles for any shard of that node queue up and leave
+//!   together in one `batch` message to the node's subject when a request comes
+//!   back, or at once when they fill a batch ([`FleetConfig::max_batch`]), up to
+//!   [`FleetConfig::max_in_flight`] requests in flight to the node. A lone
+//!   request (the lane idle) is never held back, and always goes to its shard's subject,
 //!   whose reply names the node serving the shard: that is how the edge learns
 //!   where to batch. Until it knows, it batches per shard. An item the node no
 //!   longer serves comes back `wrong_node`, unapplied, and is sent again to its
@@ -51,8 +52,9 @@ pub struct FleetConfig {
     /// Most calls in one batch.
     pub max_batch: usize,
     /// With batching: most requests in flight at once to one node (or, until
-    /// its node is known, to one shard). More than one lets the node work on
-    /// the next batch while the last one waits for its claims' KV write.
+    /// its node is known, to one shard). Beyond the first, only full batches
+    /// leave early: they let the node work on the next batch while the last
+    /// one waits for its claims' KV write.
     pub max_in_flight: usize,
 }
 
@@ -100,25 +102,26 @@ struct Lane {
 }
 
 impl Lane {
-    /// Takes room for a call to go alone, if there is room and nobody waits
-    /// (a lone call is never held back); otherwise the call waits in the queue
-    /// for its batch.
-    fn go_alone(&mut self, max_in_flight: usize) -> bool {
-        let alone = self.in_flight < max_in_flight && self.queue.is_empty();
-        if alone {
+    /// Takes the lane for a call that finds it idle: a lone call is never held
+    /// back. Otherwise the call waits in the queue for its batch.
+    fn go_alone(&mut self) -> bool {
+        let idle = self.in_flight == 0 && self.queue.is_empty();
+        if idle {
             self.in_flight += 1;
         }
-        alone
+        idle
     }
 
-    /// The next batch to send (up to `max_batch` calls, oldest first) if there
-    /// is room, with the room taken. Calls whose caller is gone are dropped,
-    /// and those past their deadline are answered `Timeout`, first.
+    /// The next batch to send (up to `max_batch` calls, oldest first), with its
+    /// room taken: if there is room, and the batch is full or `partial` ones
+    /// may leave (a request just came back). Calls whose caller is gone are
+    /// dropped, and those past their deadline answered `Timeout`, first.
     fn next_batch(
         &mut self,
         now: Instant,
         max_in_flight: usize,
         max_batch: usize,
+        partial: bool,
     ) -> Option<Vec<Queued>> {
         let (live, expired): (Vec<_>, Vec<_>) = std::mem::take(&mut self.queue)
             .into_iter()
@@ -128,7 +131,8 @@ impl Lane {
         for q in expired {
             let _ = q.reply.send(Err(StoreError::Timeout(Duration::ZERO)));
         }
-        if self.queue.is_empty() || self.in_flight >= max_in_flight {
+        let ready = partial || self.queue.len() >= max_batch;
+        if !ready || self.queue.is_empty() || self.in_flight >= max_in_flight {
             return None;
         }
         self.in_flight += 1;
@@ -453,10 +457,11 @@ impl Inner {
         deadline: Instant,
     ) -> Result<ReplyBody, StoreError> {
         let route = self.route(shard);
-        // Either the call takes room on the lane or it waits for its batch.
+        // Either the call takes the idle lane or it waits for its batch, which
+        // leaves at once if this call fills it and there is room.
         let op = {
             let mut lane = lock(&route.lane);
-            if lane.go_alone(self.max_in_flight) {
+            if lane.go_alone() {
                 Ok(op)
             } else {
                 let (reply, rx) = oneshot::channel();
@@ -466,12 +471,15 @@ impl Inner {
                     deadline,
                     reply,
                 });
-                Err(rx)
+                Err((rx, lane.queue.len() >= self.max_batch))
             }
         };
         let op = match op {
             Ok(op) => op,
-            Err(rx) => {
+            Err((rx, full)) => {
+                if full {
+                    self.pump(&route, false);
+                }
                 return rx
                     .await
                     .unwrap_or_else(|_| Err(StoreError::Transport("batch dropped".into())));
@@ -487,15 +495,21 @@ impl Inner {
         result
     }
 
-    /// Sends the lane's queue, batch by batch, while the lane has room; each
-    /// batch hands its room on when it ends.
-    fn pump(self: &Arc<Self>, route: &Route) {
+    /// Sends the lane's queue, batch by batch, while the lane has room: after
+    /// a request came back (`returned`), whatever waits; otherwise full
+    /// batches only. Each batch hands its room on when it ends.
+    fn pump(self: &Arc<Self>, route: &Route, returned: bool) {
+        let mut partial = returned;
         loop {
-            let Some(batch) =
-                lock(&route.lane).next_batch(Instant::now(), self.max_in_flight, self.max_batch)
-            else {
+            let Some(batch) = lock(&route.lane).next_batch(
+                Instant::now(),
+                self.max_in_flight,
+                self.max_batch,
+                partial,
+            ) else {
                 return;
             };
+            partial = false;
             let handoff = LaneHandoff {
                 inner: self.clone(),
                 route: route.clone(),
@@ -618,7 +632,7 @@ struct LaneHandoff {
 impl Drop for LaneHandoff {
     fn drop(&mut self) {
         lock(&self.route.lane).finished();
-        self.inner.pump(&self.route);
+        self.inner.pump(&self.route, true);
     }
 }
 
@@ -689,61 +703,75 @@ mod tests {
     }
 
     #[test]
-    fn a_lane_keeps_at_most_max_in_flight_requests() {
-        let now = Instant::now();
-        let later = now + Duration::from_secs(1);
-        let mut lane = Lane::default();
-        assert!(lane.go_alone(2));
-        assert!(lane.go_alone(2));
-        assert!(
-            !lane.go_alone(2),
-            "a third call went alone with two in flight"
-        );
-        let _a = queued(&mut lane, "a", later);
-        let _b = queued(&mut lane, "b", later);
-        assert!(
-            lane.next_batch(now, 2, 64).is_none(),
-            "a batch left with no room"
-        );
-        lane.finished();
-        let batch = lane.next_batch(now, 2, 64).expect("room for the queue");
-        assert_eq!(tenants(&batch), ["a", "b"]);
-        assert_eq!(lane.in_flight, 2);
-        assert!(
-            lane.next_batch(now, 2, 64).is_none(),
-            "nothing is left to send"
-        );
-    }
-
-    #[test]
-    fn a_lone_call_does_not_pass_those_queued() {
+    fn a_lone_call_goes_only_on_an_idle_lane() {
         let now = Instant::now();
         let mut lane = Lane::default();
-        assert!(lane.go_alone(1));
+        assert!(lane.go_alone());
+        assert!(
+            !lane.go_alone(),
+            "a second call went alone with one in flight"
+        );
         let _a = queued(&mut lane, "a", now + Duration::from_secs(1));
         lane.finished();
-        assert!(!lane.go_alone(4), "a call went ahead of the queue");
+        assert!(!lane.go_alone(), "a call went ahead of the queue");
         assert_eq!(lane.in_flight, 0);
     }
 
     #[test]
-    fn batches_take_the_oldest_calls_up_to_max_batch() {
+    fn a_partial_batch_waits_for_a_request_to_come_back() {
+        let now = Instant::now();
+        let mut lane = Lane::default();
+        assert!(lane.go_alone());
+        let _a = queued(&mut lane, "a", now + Duration::from_secs(1));
+        assert!(
+            lane.next_batch(now, 4, 64, false).is_none(),
+            "a partial batch left early"
+        );
+        lane.finished();
+        let batch = lane
+            .next_batch(now, 4, 64, true)
+            .expect("the queue leaves on a return");
+        assert_eq!(tenants(&batch), ["a"]);
+        assert_eq!(lane.in_flight, 1);
+    }
+
+    #[test]
+    fn full_batches_leave_while_the_lane_has_room() {
         let now = Instant::now();
         let later = now + Duration::from_secs(1);
         let mut lane = Lane::default();
-        let _rx: Vec<_> = ["a", "b", "c"]
+        assert!(lane.go_alone());
+        let _rx: Vec<_> = ["a", "b", "c", "d", "e"]
             .iter()
             .map(|t| queued(&mut lane, t, later))
             .collect();
-        let first = lane.next_batch(now, 4, 2).expect("a batch");
+        let first = lane
+            .next_batch(now, 3, 2, false)
+            .expect("a full batch leaves");
         let second = lane
-            .next_batch(now, 4, 2)
-            .expect("a second batch: there is room");
+            .next_batch(now, 3, 2, false)
+            .expect("room for a second");
+        assert!(
+            lane.next_batch(now, 3, 2, true).is_none(),
+            "a batch left with max_in_flight out"
+        );
         assert_eq!(
             (tenants(&first), tenants(&second)),
-            (vec!["a".to_string(), "b".into()], vec!["c".to_string()])
+            (
+                vec!["a".to_string(), "b".into()],
+                vec!["c".to_string(), "d".into()]
+            )
         );
-        assert_eq!(lane.in_flight, 2);
+        assert_eq!(lane.in_flight, 3);
+        lane.finished();
+        assert!(
+            lane.next_batch(now, 3, 2, false).is_none(),
+            "the last one is not full"
+        );
+        let last = lane
+            .next_batch(now, 3, 2, true)
+            .expect("it leaves on a return");
+        assert_eq!(tenants(&last), ["e"]);
     }
 
     #[test]
@@ -753,7 +781,9 @@ mod tests {
         let mut expired = queued(&mut lane, "expired", now);
         drop(queued(&mut lane, "abandoned", now + Duration::from_secs(1)));
         let _live = queued(&mut lane, "live", now + Duration::from_secs(1));
-        let batch = lane.next_batch(now, 1, 64).expect("the live call leaves");
+        let batch = lane
+            .next_batch(now, 1, 64, true)
+            .expect("the live call leaves");
         assert_eq!(tenants(&batch), ["live"]);
         assert!(matches!(
             expired.try_recv(),
