@@ -115,6 +115,10 @@ pub struct WorkloadArgs {
     /// [default: the edge client's, 4]
     #[arg(long)]
     pub edge_in_flight: Option<usize>,
+    /// With batching: most calls in one of the edge's batches
+    /// [default: the edge client's, 64]
+    #[arg(long)]
+    pub edge_max_batch: Option<usize>,
     /// Seed of the random choices
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -188,6 +192,9 @@ async fn run_fleet(
     let mut config = global.fleet_config(batching);
     if let Some(n) = args.edge_in_flight {
         config.max_in_flight = n;
+    }
+    if let Some(n) = args.edge_max_batch {
+        config.max_batch = n;
     }
     let store = FleetStore::connect(config).await?;
     super::wait_connected(store.nats(), Duration::from_secs(5)).await?;
