@@ -17,7 +17,7 @@
 //!   longer serves comes back `wrong_node`, unapplied, and is sent again to its
 //!   shard's subject; a node that stops answering is forgotten for every shard.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -98,7 +98,7 @@ struct Queued {
 #[derive(Default)]
 struct Lane {
     in_flight: usize,
-    queue: Vec<Queued>,
+    queue: VecDeque<Queued>,
 }
 
 impl Lane {
@@ -114,8 +114,11 @@ impl Lane {
 
     /// The next batch to send (up to `max_batch` calls, oldest first), with its
     /// room taken: if there is room, and the batch is full or `partial` ones
-    /// may leave (a request just came back). Calls whose caller is gone are
-    /// dropped, and those past their deadline answered `Timeout`, first.
+    /// may leave (a request just came back). On the way, calls whose caller is
+    /// gone are dropped and those past their deadline answered `Timeout`.
+    ///
+    /// Costs what it takes, not the queue's length: it runs for every call
+    /// that joins a long queue, and a backlog must not make each call dearer.
     fn next_batch(
         &mut self,
         now: Instant,
@@ -123,21 +126,29 @@ impl Lane {
         max_batch: usize,
         partial: bool,
     ) -> Option<Vec<Queued>> {
-        let (live, expired): (Vec<_>, Vec<_>) = std::mem::take(&mut self.queue)
-            .into_iter()
-            .filter(|q| !q.reply.is_closed())
-            .partition(|q| q.deadline > now);
-        self.queue = live;
-        for q in expired {
-            let _ = q.reply.send(Err(StoreError::Timeout(Duration::ZERO)));
-        }
         let ready = partial || self.queue.len() >= max_batch;
-        if !ready || self.queue.is_empty() || self.in_flight >= max_in_flight {
+        if !ready || self.in_flight >= max_in_flight {
+            return None;
+        }
+        let mut batch = Vec::with_capacity(self.queue.len().min(max_batch));
+        while batch.len() < max_batch {
+            let Some(q) = self.queue.pop_front() else {
+                break;
+            };
+            if q.reply.is_closed() {
+                continue;
+            }
+            if q.deadline <= now {
+                let _ = q.reply.send(Err(StoreError::Timeout(Duration::ZERO)));
+                continue;
+            }
+            batch.push(q);
+        }
+        if batch.is_empty() {
             return None;
         }
         self.in_flight += 1;
-        let take = self.queue.len().min(max_batch);
-        Some(self.queue.drain(..take).collect())
+        Some(batch)
     }
 
     /// A request of this lane ended: its room is free.
@@ -465,7 +476,7 @@ impl Inner {
                 Ok(op)
             } else {
                 let (reply, rx) = oneshot::channel();
-                lane.queue.push(Queued {
+                lane.queue.push_back(Queued {
                     shard,
                     op,
                     deadline,
@@ -681,7 +692,7 @@ mod tests {
         deadline: Instant,
     ) -> oneshot::Receiver<Result<ReplyBody, StoreError>> {
         let (reply, rx) = oneshot::channel();
-        lane.queue.push(Queued {
+        lane.queue.push_back(Queued {
             shard: 0,
             op: Op::Reset {
                 tenant: tenant.into(),
@@ -772,6 +783,21 @@ mod tests {
             .next_batch(now, 3, 2, true)
             .expect("it leaves on a return");
         assert_eq!(tenants(&last), ["e"]);
+    }
+
+    #[test]
+    fn a_lane_without_room_leaves_its_queue_untouched() {
+        // Every call joining a long queue asks for a batch: without room, that
+        // must not walk the queue (a backlog would make each call dearer).
+        let now = Instant::now();
+        let mut lane = Lane::default();
+        assert!(lane.go_alone());
+        let mut expired: Vec<_> = (0..100)
+            .map(|i| queued(&mut lane, &format!("t{i}"), now))
+            .collect();
+        assert!(lane.next_batch(now, 1, 64, true).is_none());
+        assert_eq!(lane.queue.len(), 100);
+        assert!(expired.iter_mut().all(|rx| rx.try_recv().is_err()));
     }
 
     #[test]
