@@ -459,8 +459,8 @@ impl Inner {
             .clone()
     }
 
-    /// Goes alone when the call's lane has room and nobody waits; otherwise
-    /// waits to leave with the next batch.
+    /// Goes alone when the call's lane is idle; otherwise waits to leave with
+    /// the next batch.
     async fn call_batched(
         self: Arc<Self>,
         shard: usize,
