@@ -482,15 +482,13 @@ impl Inner {
                     deadline,
                     reply,
                 });
-                Err((rx, lane.queue.len() >= self.max_batch))
+                Err(rx)
             }
         };
         let op = match op {
             Ok(op) => op,
-            Err((rx, full)) => {
-                if full {
-                    self.pump(&route, false);
-                }
+            Err(rx) => {
+                self.pump(&route, false);
                 return rx
                     .await
                     .unwrap_or_else(|_| Err(StoreError::Transport("batch dropped".into())));
