@@ -25,6 +25,7 @@ use std::time::Duration;
 use ankusa_actors::{HitOutcome, HitRequest, SettleOutcome, SettleRequest};
 use async_nats::client::RequestErrorKind;
 use async_nats::connection::State;
+use async_nats::Subject;
 use bytes::Bytes;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
@@ -175,7 +176,7 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[derive(Clone)]
 struct NodeTarget {
     name: Arc<str>,
-    subject: String,
+    subject: Subject,
 }
 
 /// Where a call queues: the lane of the node serving its shard when that is
@@ -189,7 +190,7 @@ struct Route {
 struct Inner {
     client: async_nats::Client,
     subjects: Subjects,
-    shard_subjects: Vec<String>,
+    shard_subjects: Vec<Subject>,
     shards: u32,
     batching: bool,
     node_batches: bool,
@@ -254,7 +255,7 @@ impl FleetStore {
             inner: Arc::new(Inner {
                 client,
                 subjects: subjects.clone(),
-                shard_subjects: (0..shards).map(|n| subjects.shard(n)).collect(),
+                shard_subjects: (0..shards).map(|n| subjects.shard(n).into()).collect(),
                 shards,
                 batching: config.batching,
                 node_batches: config.node_batches,
@@ -337,24 +338,25 @@ fn budget_ms(deadline: Instant) -> u64 {
 impl Inner {
     /// One request on the wire, retried while no node serves the shard.
     async fn send(&self, shard: usize, op: Op, deadline: Instant) -> Result<ReplyBody, StoreError> {
-        let request = Request::new(budget_ms(deadline), op);
-        let payload = request.encode().into();
-        self.send_request(shard, request, payload, deadline).await
+        self.send_request(shard, deadline, || {
+            Request::encode_op(budget_ms(deadline), &op)
+        })
+        .await
     }
 
-    /// Sends `payload` (`request`, encoded) to the shard's subject; a resend
-    /// after "no responders" carries the budget left then.
+    /// Sends a request to the shard's subject, as `encode` writes it with the
+    /// budget left at the time: a resend after "no responders" carries the
+    /// budget left then.
     async fn send_request(
         &self,
         shard: usize,
-        mut request: Request,
-        mut payload: Bytes,
         deadline: Instant,
+        encode: impl Fn() -> Vec<u8>,
     ) -> Result<ReplyBody, StoreError> {
         let mut pause = FIRST_RETRY;
         loop {
             match self
-                .send_once(&self.shard_subjects[shard], payload, deadline)
+                .send_once(&self.shard_subjects[shard], encode().into(), deadline)
                 .await
             {
                 Ok(reply) => {
@@ -371,8 +373,6 @@ impl Inner {
                     }
                     tokio::time::sleep(pause.min(left - RETRY_ROUND_TRIP)).await;
                     pause = (pause * 2).min(MAX_RETRY);
-                    request.timeout_ms = budget_ms(deadline);
-                    payload = request.encode().into();
                 }
                 Err(err) => return Err(err),
             }
@@ -382,7 +382,7 @@ impl Inner {
     /// One request to `subject`, no retry.
     async fn send_once(
         &self,
-        subject: &str,
+        subject: &Subject,
         payload: Bytes,
         deadline: Instant,
     ) -> Result<Reply, StoreError> {
@@ -393,7 +393,7 @@ impl Inner {
         let sent = self
             .client
             .send_request(
-                subject.to_owned(),
+                subject.clone(),
                 async_nats::Request::new()
                     .payload(payload)
                     .timeout(Some(budget)),
@@ -459,7 +459,7 @@ impl Inner {
             .or_insert_with(|| Route {
                 lane: LaneRef::default(),
                 node: Some(NodeTarget {
-                    subject: self.subjects.node(&node),
+                    subject: self.subjects.node(&node).into(),
                     name: node,
                 }),
             })
@@ -566,12 +566,13 @@ impl Inner {
             .map(|q| q.deadline)
             .max()
             .unwrap_or_else(Instant::now);
-        let items = batch
-            .iter()
-            .map(|q| Request::new(budget_ms(q.deadline), q.op.clone()))
-            .collect();
-        let request = Request::new(budget_ms(deadline), Op::Batch(items));
-        let payload: Bytes = request.encode().into();
+        // Each call keeps its own operation, to be sent again alone if the
+        // node turns it away.
+        let encode = || {
+            let items = batch.iter().map(|q| (budget_ms(q.deadline), &q.op));
+            Request::encode_batch(budget_ms(deadline), items)
+        };
+        let payload = encode();
         if payload.len() > MAX_REQUEST_BYTES {
             // Too large for one message: two halves, each as small as it needs.
             let second = batch.split_off(batch.len() / 2);
@@ -583,13 +584,10 @@ impl Inner {
         }
         let result = match node {
             Some(node) => self
-                .send_once(&node.subject, payload, deadline)
+                .send_once(&node.subject, payload.into(), deadline)
                 .await
                 .map(|reply| reply.body),
-            None => {
-                self.send_request(batch[0].shard, request, payload, deadline)
-                    .await
-            }
+            None => self.send_request(batch[0].shard, deadline, encode).await,
         };
         match result {
             Ok(ReplyBody::Batch(replies)) if replies.len() == batch.len() => {

@@ -159,6 +159,27 @@ impl From<DecodeError> for ErrorReply {
     }
 }
 
+/// The borrowed twins of a [`Request`] and of a batch of them: the same bytes.
+#[derive(Serialize)]
+struct RequestRef<'a> {
+    v: u32,
+    timeout_ms: u64,
+    op: &'a Op,
+}
+
+#[derive(Serialize)]
+struct BatchRef<'a> {
+    v: u32,
+    timeout_ms: u64,
+    op: BatchOpRef<'a>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "snake_case")]
+enum BatchOpRef<'a> {
+    Batch(Vec<RequestRef<'a>>),
+}
+
 /// Why a payload could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DecodeError {
@@ -200,6 +221,37 @@ impl Request {
 
     pub fn encode(&self) -> Vec<u8> {
         encode(self)
+    }
+
+    /// The bytes of `Request::new(timeout_ms, op.clone())`, without the clone.
+    pub fn encode_op(timeout_ms: u64, op: &Op) -> Vec<u8> {
+        encode(&RequestRef {
+            v: VERSION,
+            timeout_ms,
+            op,
+        })
+    }
+
+    /// The bytes of a batch of `(timeout_ms, op)` items, as
+    /// `Request::new(timeout_ms, Op::Batch(..))` would encode them, without
+    /// cloning the operations: an edge keeps each call's own to send it again.
+    pub fn encode_batch<'a>(
+        timeout_ms: u64,
+        items: impl IntoIterator<Item = (u64, &'a Op)>,
+    ) -> Vec<u8> {
+        let items = items
+            .into_iter()
+            .map(|(timeout_ms, op)| RequestRef {
+                v: VERSION,
+                timeout_ms,
+                op,
+            })
+            .collect();
+        encode(&BatchRef {
+            v: VERSION,
+            timeout_ms,
+            op: BatchOpRef::Batch(items),
+        })
     }
 
     /// Decodes a request, checking size, version and shape (not the rules: see
@@ -477,6 +529,27 @@ mod tests {
             let reply = Reply::new(body);
             assert_eq!(Reply::decode(&reply.encode()), Ok(reply));
         }
+    }
+
+    #[test]
+    fn borrowed_encodings_are_the_owned_bytes() {
+        let reset = Op::Reset { tenant: "t".into() };
+        let hit = hit().op;
+        assert_eq!(
+            Request::encode_op(7, &hit),
+            Request::new(7, hit.clone()).encode()
+        );
+        let owned = Request::new(
+            100,
+            Op::Batch(vec![
+                Request::new(250, hit.clone()),
+                Request::new(5, reset.clone()),
+            ]),
+        );
+        assert_eq!(
+            Request::encode_batch(100, [(250, &hit), (5, &reset)]),
+            owned.encode()
+        );
     }
 
     #[test]
