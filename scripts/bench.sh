@@ -16,9 +16,13 @@
 #                    [--memory | --memory-only] [--memory-count N]
 #                    [--memory-what 'claims tenants control parked'] [--out DIR]
 #   scripts/bench.sh --scale [--duration S]   # 1, 2, 4 nodes x 16, 64, 256 shards
+#   scripts/bench.sh --profile [--nodes N] [--shards S] [--duration S]
+#       the batched fleet at peak: CPU per hit + settle of each process, the
+#       nodes' latency split, and perf profiles of one node and of the load
+#       generator (needs perf; about 2 minutes once built)
 set -euo pipefail
 
-duration=6 nodes=2 shards=64 runs=2 scale=0 memory=0 main=1 memory_what="claims tenants control parked" memory_count=1000000 out=""
+duration=6 nodes=2 shards=64 runs=2 scale=0 profile=0 memory=0 main=1 memory_what="claims tenants control parked" memory_count=1000000 out=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --duration) duration=$2; shift 2 ;;
@@ -26,13 +30,14 @@ while [ $# -gt 0 ]; do
     --shards) shards=$2; shift 2 ;;
     --runs) runs=$2; shift 2 ;;
     --scale) scale=1; shift ;;
+    --profile) profile=1; shift ;;
     --memory) memory=1; shift ;;
     --no-memory) memory=0; shift ;;
     --memory-only) memory=1 main=0; shift ;;
     --memory-count) memory_count=$2; shift 2 ;;
     --memory-what) memory_what=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "bench.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -173,6 +178,73 @@ EOF
   echo; cat "$out/scale.txt"
   echo "results in $out"
   exit 0
+fi
+
+if [ "$profile" = 1 ]; then
+  command -v perf >/dev/null || { echo "bench.sh --profile needs perf (linux-tools) on PATH" >&2; exit 1; }
+  nats_pid=${pids[0]}
+  ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; } # user + system CPU, clock ticks
+  start_fleet prof "$nodes" "$shards"
+  # A warm-up (tenants spawned, tables grown), then the measured run.
+  cli --instance prof --shards "$shards" bench --duration-s 3 >/dev/null
+  nats_before=$(ticks "$nats_pid") nodes_before=0
+  for pid in "${node_pids[@]}"; do nodes_before=$((nodes_before + $(ticks "$pid"))); done
+  # Not through cli(): $! must be the load generator itself, not a subshell.
+  "$cli_bin" --nats "$nats_url" --instance prof --shards "$shards" bench --batching on \
+    --duration-s "$duration" --json "$out/profile-bench.json" >"$out/profile-bench.txt" &
+  loadgen=$!
+  sleep 1
+  # Both recordings at once, over the middle of the run.
+  record_s=$((duration > 4 ? duration - 3 : 1))
+  perf record -q -e cpu-clock -F 499 --call-graph dwarf,16384 -p "${node_pids[0]}" \
+    -o "$out/node.perf" -- sleep "$record_s" >/dev/null 2>&1 &
+  node_recorder=$!
+  perf record -q -e cpu-clock -F 499 --call-graph dwarf,16384 -p "$loadgen" \
+    -o "$out/loadgen.perf" -- sleep "$record_s" >/dev/null 2>&1 || true
+  wait "$node_recorder" || true
+  wait "$loadgen"
+  nats_after=$(ticks "$nats_pid") nodes_after=0
+  for pid in "${node_pids[@]}"; do nodes_after=$((nodes_after + $(ticks "$pid"))); done
+  cat "$out/profile-bench.txt"
+  for addr in "${node_https[@]}"; do curl -fsS --max-time 2 "http://$addr/metrics"; done >"$out/profile-metrics.txt"
+  python3 - "$out/profile-bench.json" "$out/profile-metrics.txt" "$(getconf CLK_TCK)" \
+    "$((nodes_after - nodes_before))" "$((nats_after - nats_before))" \
+    <<'EOF' | tee "$out/profile-cpu.txt"
+import json, sys
+report = json.load(open(sys.argv[1]))
+hz = float(sys.argv[3])
+nodes, nats = (int(t) / hz for t in sys.argv[4:6])
+loadgen = report.get("loadgen_cpu_s") or float("nan")
+pairs = report["hits"]
+metrics = {}
+for line in open(sys.argv[2]):
+    if line.strip() and not line.startswith("#"):
+        name, _, value = line.rpartition(" ")
+        metrics[name] = metrics.get(name, 0.0) + float(value)
+def mean_ms(name, labels=""):
+    count = metrics.get(f"{name}_count{labels}", 0.0)
+    return 1000 * metrics.get(f"{name}_sum{labels}", 0.0) / count if count else float("nan")
+batch = mean_ms("ankusa_request_duration_seconds", '{op="node_batch"}')
+ack = mean_ms("ankusa_kv_write_seconds")
+changes = metrics.get("ankusa_claim_log_batch_sum", 0) / max(metrics.get("ankusa_claim_log_batch_count", 0), 1)
+print(f"CPU per hit + settle: nodes {1e6 * nodes / pairs:.1f} µs, nats-server {1e6 * nats / pairs:.1f} µs, "
+      f"load generator {1e6 * loadgen / pairs:.1f} µs")
+print(f"nodes, over their life: a batch {batch:.2f} ms from receipt to answer; a claim-log message "
+      f"{ack:.2f} ms from publish to ack, {changes:.1f} changes each")
+EOF
+  top() { # perf data, what
+    perf report -i "$1" --no-children --sort symbol --stdio -g none 2>/dev/null >"$1.self.txt" || true
+    perf report -i "$1" --children --sort symbol --stdio -g none 2>/dev/null >"$1.children.txt" || true
+    echo; echo "== profile: $2, top symbols by own time =="
+    grep -E '^ +[0-9]' "$1.self.txt" | sed -n '1,25p' | cut -c1-140 || true
+    echo; echo "== profile: $2, ankusa functions by time with callees =="
+    grep -E '^ +[0-9]' "$1.children.txt" | grep -E 'ankusa_|ConnectionHandler::process|Timeout<T>' \
+      | grep -v inlined | sed -n '1,30p' | cut -c1-140 || true
+  }
+  top "$out/node.perf" "one node" | tee "$out/profile-node.txt"
+  top "$out/loadgen.perf" "load generator" | tee "$out/profile-loadgen.txt"
+  stop_fleet
+  main=0
 fi
 
 if [ "$main" = 1 ]; then

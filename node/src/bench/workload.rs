@@ -422,6 +422,11 @@ pub struct WorkloadReport {
     pub late_sends: u64,
     /// Calls still outstanding when the run's hard end came; not counted above.
     pub abandoned: bool,
+    /// CPU seconds this process (the load generator: the edge client, and for
+    /// the echo baseline its responder too) used during the run; `None` where
+    /// the platform does not tell.
+    #[serde(default)]
+    pub loadgen_cpu_s: Option<f64>,
 }
 
 /// `self / other` for each figure (`None` where `other`'s is 0). For
@@ -536,6 +541,13 @@ impl fmt::Display for WorkloadReport {
             s.already_committed,
             fmt_counts(&s.errors)
         )?;
+        if let Some(cpu) = self.loadgen_cpu_s.filter(|_| self.hits > 0) {
+            write!(
+                f,
+                "\n  load generator CPU: {cpu:.2} s, {:.1} µs per hit",
+                1e6 * cpu / self.hits as f64
+            )?;
+        }
         if self.late_sends > 0 {
             write!(f, "\n  late sends (> 1 ms after due): {}", self.late_sends)?;
         }
@@ -564,10 +576,11 @@ impl fmt::Display for ReportRatio {
 }
 
 /// Several runs side by side, one row each, with throughput and hit p99 as a
-/// ratio to the first row.
+/// ratio to the first row, and the load generator's CPU per hit (the edge's
+/// cost of a hit and its settle; for the echo, its responder's too).
 pub fn comparison_table(reports: &[&WorkloadReport]) -> String {
     let mut out = format!(
-        "{:<12} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9}\n",
+        "{:<12} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>10}\n",
         "store",
         "hits/s",
         "settles/s",
@@ -578,13 +591,14 @@ pub fn comparison_table(reports: &[&WorkloadReport]) -> String {
         "p99",
         "errors",
         "x hits/s",
-        "x hit p99"
+        "x hit p99",
+        "gen µs/hit"
     );
     let base = reports.first();
     for r in reports {
         let rel = base.map(|b| r.ratio_to(b));
         out.push_str(&format!(
-            "{:<12} {:>10.0} {:>10.0} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9}\n",
+            "{:<12} {:>10.0} {:>10.0} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>10}\n",
             r.label,
             r.hits_per_sec,
             r.settles_per_sec,
@@ -596,9 +610,13 @@ pub fn comparison_table(reports: &[&WorkloadReport]) -> String {
             r.hit_outcomes.errors_total() + r.settle_outcomes.errors_total(),
             fmt_ratio(rel.and_then(|x| x.hits_per_sec)),
             fmt_ratio(rel.and_then(|x| x.hit_p99)),
+            r.loadgen_cpu_s.filter(|_| r.hits > 0).map_or_else(
+                || "-".into(),
+                |cpu| format!("{:.1}", 1e6 * cpu / r.hits as f64)
+            ),
         ));
     }
-    out.push_str("latencies in µs");
+    out.push_str("latencies in µs; gen µs/hit: the load generator's CPU per hit and its settle");
     out
 }
 
@@ -1108,6 +1126,7 @@ pub async fn run<S: Store>(
         LoadMode::Concurrency { in_flight } => (0..in_flight).map(|_| Stats::new()).collect(),
         LoadMode::Rate { .. } => Vec::new(),
     };
+    let cpu_at_start = process_cpu();
     let start = Instant::now();
     let progress = Progress::start(&plan, start);
     let (stats, abandoned) = match cfg.mode {
@@ -1147,7 +1166,25 @@ pub async fn run<S: Store>(
         settle_outcomes: stats.settles,
         late_sends: stats.late,
         abandoned,
+        loadgen_cpu_s: cpu_at_start
+            .zip(process_cpu())
+            .map(|(before, after)| after.saturating_sub(before).as_secs_f64()),
     })
+}
+
+/// CPU time (user and system) this process has used so far.
+fn process_cpu() -> Option<Duration> {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage only writes the struct it is given, which outlives the call.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) } != 0 {
+        return None;
+    }
+    // SAFETY: a successful getrusage filled the struct.
+    let usage = unsafe { usage.assume_init() };
+    let time = |t: libc::timeval| {
+        Duration::from_secs(t.tv_sec.max(0) as u64) + Duration::from_micros(t.tv_usec.max(0) as u64)
+    };
+    Some(time(usage.ru_utime) + time(usage.ru_stime))
 }
 
 #[cfg(test)]
@@ -1241,6 +1278,11 @@ mod tests {
         let back: WorkloadReport = serde_json::from_str(&json).unwrap();
         assert_eq!(back.hits, report.hits);
         assert!(report.to_string().contains("duplicate"));
+        // The load generator did the work itself, so it used some CPU.
+        let cpu = report.loadgen_cpu_s.expect("getrusage answers on Linux");
+        assert!(cpu > 0.0 && cpu < 60.0, "{cpu}");
+        assert_eq!(back.loadgen_cpu_s, report.loadgen_cpu_s);
+        assert!(report.to_string().contains("load generator CPU"));
     }
 
     #[tokio::test]
