@@ -37,7 +37,7 @@ while [ $# -gt 0 ]; do
     --memory-count) memory_count=$2; shift 2 ;;
     --memory-what) memory_what=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "bench.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
