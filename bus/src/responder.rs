@@ -485,27 +485,63 @@ fn window_open(window: &Option<ServeWindow>) -> bool {
     window.as_ref().is_none_or(ServeWindow::is_open)
 }
 
+/// Counts a reply's answers in `ankusa_requests_total` (by result) and
+/// `ankusa_requests_refused_total` (by code). Tallied first, so that a batch
+/// costs one counter lookup per result it holds, not one per answer.
 fn count(body: &ReplyBody) {
-    let result = match body {
-        ReplyBody::Hit(outcome) => match outcome {
-            ankusa_actors::HitOutcome::Ok => "ok",
-            ankusa_actors::HitOutcome::Duplicate { .. } => "duplicate",
-            ankusa_actors::HitOutcome::Pending { .. } => "pending",
-            ankusa_actors::HitOutcome::RateLimited { .. } => "rate_limited",
-        },
-        ReplyBody::Settle(_) => "settled",
-        ReplyBody::Reset => "reset",
-        ReplyBody::Batch(items) => {
-            items.iter().for_each(|item| count(&item.body));
-            return;
+    let mut tally = Tally::default();
+    tally.add(body);
+    for (result, n) in RESULTS.iter().zip(tally.results) {
+        if n > 0 {
+            metrics::counter!("ankusa_requests_total", "result" => *result).increment(n);
         }
-        ReplyBody::Error(err) => {
-            metrics::counter!("ankusa_requests_refused_total", "code" => err.code.to_string())
-                .increment(1);
-            return;
-        }
-    };
-    metrics::counter!("ankusa_requests_total", "result" => result).increment(1);
+    }
+    for (code, n) in tally.refused {
+        metrics::counter!("ankusa_requests_refused_total", "code" => code.to_string()).increment(n);
+    }
+}
+
+/// The results counted in `ankusa_requests_total`, in [`Tally::results`]' order.
+const RESULTS: [&str; 6] = [
+    "ok",
+    "duplicate",
+    "pending",
+    "rate_limited",
+    "settled",
+    "reset",
+];
+
+#[derive(Default)]
+struct Tally {
+    results: [u64; RESULTS.len()],
+    refused: Vec<(ErrorCode, u64)>,
+}
+
+impl Tally {
+    fn add(&mut self, body: &ReplyBody) {
+        let result = match body {
+            ReplyBody::Hit(outcome) => match outcome {
+                ankusa_actors::HitOutcome::Ok => 0,
+                ankusa_actors::HitOutcome::Duplicate { .. } => 1,
+                ankusa_actors::HitOutcome::Pending { .. } => 2,
+                ankusa_actors::HitOutcome::RateLimited { .. } => 3,
+            },
+            ReplyBody::Settle(_) => 4,
+            ReplyBody::Reset => 5,
+            ReplyBody::Batch(items) => {
+                items.iter().for_each(|item| self.add(&item.body));
+                return;
+            }
+            ReplyBody::Error(err) => {
+                match self.refused.iter_mut().find(|(code, _)| *code == err.code) {
+                    Some((_, n)) => *n += 1,
+                    None => self.refused.push((err.code, 1)),
+                }
+                return;
+            }
+        };
+        self.results[result] += 1;
+    }
 }
 
 fn ready(body: ReplyBody) -> BoxFuture<'static, ReplyBody> {
@@ -651,5 +687,48 @@ async fn persisted(
     match persistence.record(shard, tenant, changes).await {
         Ok(()) => None,
         Err(err) => Some(unavailable(format!("not persisted: {err}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ankusa_actors::{HitOutcome, SettleOutcome};
+
+    #[test]
+    fn a_batch_is_tallied_answer_by_answer() {
+        let items = [
+            ReplyBody::Hit(HitOutcome::Ok),
+            ReplyBody::Hit(HitOutcome::Ok),
+            ReplyBody::Hit(HitOutcome::Duplicate {
+                hook_id: "h".into(),
+            }),
+            ReplyBody::Hit(HitOutcome::RateLimited { retry_after_ms: 1 }),
+            ReplyBody::Settle(SettleOutcome::Ok),
+            ReplyBody::Error(ErrorReply::new(ErrorCode::WrongNode, "x")),
+            ReplyBody::Error(ErrorReply::new(ErrorCode::DeadlineExpired, "x")),
+            ReplyBody::Error(ErrorReply::new(ErrorCode::WrongNode, "y")),
+        ];
+        let mut tally = Tally::default();
+        tally.add(&ReplyBody::Batch(
+            items.into_iter().map(Reply::new).collect(),
+        ));
+        tally.add(&ReplyBody::Reset);
+        let counted: Vec<_> = RESULTS.iter().copied().zip(tally.results).collect();
+        assert_eq!(
+            counted,
+            [
+                ("ok", 2),
+                ("duplicate", 1),
+                ("pending", 0),
+                ("rate_limited", 1),
+                ("settled", 1),
+                ("reset", 1)
+            ]
+        );
+        assert_eq!(
+            tally.refused,
+            [(ErrorCode::WrongNode, 2), (ErrorCode::DeadlineExpired, 1)]
+        );
     }
 }
