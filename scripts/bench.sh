@@ -30,7 +30,7 @@ while [ $# -gt 0 ]; do
     --shards) shards=$2; shift 2 ;;
     --runs) runs=$2; shift 2 ;;
     --scale) scale=1; shift ;;
-    --profile) profile=1; shift ;;
+    --profile) profile=1 main=0; shift ;;
     --memory) memory=1; shift ;;
     --no-memory) memory=0; shift ;;
     --memory-only) memory=1 main=0; shift ;;
@@ -87,7 +87,8 @@ wait_port() { # port, what
 nats_port=$(free_port)
 mkdir -p "$work/nats"
 "$nats_bin" -a 127.0.0.1 -p "$nats_port" -js -sd "$work/nats" >"$work/nats.log" 2>&1 &
-pids+=($!)
+nats_pid=$!
+pids+=($nats_pid)
 wait_port "$nats_port" nats-server
 nats_url="nats://127.0.0.1:$nats_port"
 
@@ -182,7 +183,6 @@ fi
 
 if [ "$profile" = 1 ]; then
   command -v perf >/dev/null || { echo "bench.sh --profile needs perf (linux-tools) on PATH" >&2; exit 1; }
-  nats_pid=${pids[0]}
   ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; } # user + system CPU, clock ticks
   start_fleet prof "$nodes" "$shards"
   # A warm-up (tenants spawned, tables grown), then the measured run.
@@ -244,7 +244,6 @@ EOF
   top "$out/node.perf" "one node" | tee "$out/profile-node.txt"
   top "$out/loadgen.perf" "load generator" | tee "$out/profile-loadgen.txt"
   stop_fleet
-  main=0
 fi
 
 if [ "$main" = 1 ]; then

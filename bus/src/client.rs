@@ -338,25 +338,23 @@ fn budget_ms(deadline: Instant) -> u64 {
 impl Inner {
     /// One request on the wire, retried while no node serves the shard.
     async fn send(&self, shard: usize, op: Op, deadline: Instant) -> Result<ReplyBody, StoreError> {
-        self.send_request(shard, deadline, || {
-            Request::encode_op(budget_ms(deadline), &op)
-        })
-        .await
+        let encode = || Request::encode_op(budget_ms(deadline), &op);
+        self.send_request(shard, deadline, encode(), encode).await
     }
 
-    /// Sends a request to the shard's subject, as `encode` writes it with the
-    /// budget left at the time: a resend after "no responders" carries the
-    /// budget left then.
+    /// Sends `payload` to the shard's subject; a resend after "no responders"
+    /// is written again by `encode`, with the budget left then.
     async fn send_request(
         &self,
         shard: usize,
         deadline: Instant,
+        mut payload: Vec<u8>,
         encode: impl Fn() -> Vec<u8>,
     ) -> Result<ReplyBody, StoreError> {
         let mut pause = FIRST_RETRY;
         loop {
             match self
-                .send_once(&self.shard_subjects[shard], encode().into(), deadline)
+                .send_once(&self.shard_subjects[shard], payload.into(), deadline)
                 .await
             {
                 Ok(reply) => {
@@ -373,6 +371,7 @@ impl Inner {
                     }
                     tokio::time::sleep(pause.min(left - RETRY_ROUND_TRIP)).await;
                     pause = (pause * 2).min(MAX_RETRY);
+                    payload = encode();
                 }
                 Err(err) => return Err(err),
             }
@@ -587,7 +586,10 @@ impl Inner {
                 .send_once(&node.subject, payload.into(), deadline)
                 .await
                 .map(|reply| reply.body),
-            None => self.send_request(batch[0].shard, deadline, encode).await,
+            None => {
+                self.send_request(batch[0].shard, deadline, payload, encode)
+                    .await
+            }
         };
         match result {
             Ok(ReplyBody::Batch(replies)) if replies.len() == batch.len() => {
