@@ -1,16 +1,25 @@
 //! The claim log: how a shard's claim changes are stored, many to a message, and
 //! read back.
 //!
-//! Claims are not one KV key each. A node writes claim changes as a log, one
-//! per group of [`SHARDS_PER_LOG`] consecutive shards: each message holds every
-//! change the node made to the group's shards since its last message to that
-//! log was acknowledged (a group commit), under a KV key of its own,
-//! `l.<log>.<writer>.<seq>`, with a TTL as long as its longest-lived change.
-//! A burst of hits is then a handful of stored messages, not one each, which is
-//! what JetStream's per-message cost makes the limit of a node's throughput.
-//! Sharing a log among a few shards makes the messages fuller (a shard alone
-//! sees few changes at a time); a shard's load reads its group's log and keeps
-//! its own changes.
+//! Claims are not one KV key each. A node writes its claim changes as a log: each
+//! message holds every change the node made since its last message was
+//! acknowledged (a group commit), under a KV key of its own with a TTL as long
+//! as its longest-lived change. A burst of hits is then a handful of stored
+//! messages, not one each, which is what JetStream's per-message cost makes the
+//! limit of a node's throughput. There are two layouts; every node reads both:
+//!
+//! - **The node log** ([`NODE_LOG_FORMAT`]), `m.<slots>.<writer>.<seq>`: one log
+//!   per node, whatever shards its changes are for. `<slots>` is one token per
+//!   [shard slot](slot_of), `1` where the message holds a change of a shard of
+//!   that slot and `0` where not, up to the last slot it touches; a shard's load
+//!   reads the messages whose token for its slot is `1` ([`node_log_filter`]).
+//!   A node writes it once every live node says it reads it (its heartbeat's
+//!   `claim_log_format`), so a node of an earlier release never takes over a
+//!   shard whose changes it cannot see.
+//! - **The group log** (format 1), `l.<log>.<writer>.<seq>`: a log per group of
+//!   [`SHARDS_PER_LOG`] consecutive shards, one message in flight per group. A
+//!   node spreads its shards over every group, so at peak each message held a
+//!   ninth of what the node log's hold (2 nodes × 64 shards).
 //!
 //! The payload is a MessagePack array of [`LoggedChange`] maps: `{"tenant": ..,
 //! "shard": .., "change": {"Put": ClaimRecord} | {"Delete": {..}}}` for a claim
@@ -18,7 +27,7 @@
 //! bucket TATs a node writes behind (a TAT of 0 is a reset).
 //!
 //! [`Replay`] applies a log's messages in stream order to rebuild one shard's
-//! claims and buckets. A bucket's last record wins.
+//! claims and buckets, keeping that shard's changes. A bucket's last record wins.
 //! Two rules make the replay safe against writes that land late (a paused node
 //! waking up with writes still in its socket):
 //! - a pending claim never replaces a live committed one;
@@ -35,9 +44,20 @@ use serde::{Deserialize, Serialize};
 
 use crate::kv::KvError;
 
-/// Shards whose changes share a log: `log = shard / SHARDS_PER_LOG`. Part of
-/// the stored format: every node of an instance must agree on it.
+/// Shards whose changes share a group log: `log = shard / SHARDS_PER_LOG`.
+/// Part of the stored format (format 1): every node of an instance must agree
+/// on it.
 pub const SHARDS_PER_LOG: u32 = 8;
+
+/// The claim log format a node writes once every live node reads it: the node
+/// log. Nodes say which they read in their heartbeat; those of releases
+/// before it say nothing (0), and read only the group log (1).
+pub const NODE_LOG_FORMAT: u32 = 2;
+
+/// Slots of the node log's key: a shard's slot is `shard % NODE_LOG_SLOTS`.
+/// Part of the stored format. 64 keeps the key under 150 bytes and a load
+/// reading one shard slot's messages out of 64.
+pub const NODE_LOG_SLOTS: u32 = 64;
 
 /// Largest payload of one log message. Below the state bucket's value limit
 /// (64 KiB), so a batch is never refused for its size.
@@ -130,19 +150,54 @@ impl EncodedChange {
     }
 }
 
-/// The log a shard's changes go to.
+/// The group log a shard's changes go to (format 1).
 pub fn log_of(shard: u32) -> u32 {
     shard / SHARDS_PER_LOG
 }
 
-/// The KV key of a log message: unique per writer and sequence number.
+/// The KV key of a group log message: unique per writer and sequence number.
 pub fn log_key(log: u32, writer: &str, seq: u64) -> String {
     format!("l.{log}.{writer}.{seq}")
 }
 
-/// The KV key filter of the log holding `shard`'s changes.
+/// The KV key filter of the group log holding `shard`'s changes.
 pub fn log_filter(shard: u32) -> String {
     format!("l.{}.>", log_of(shard))
+}
+
+/// The node log slot of a shard.
+pub fn slot_of(shard: u32) -> u32 {
+    shard % NODE_LOG_SLOTS
+}
+
+/// The KV key of a node log message holding changes of `shards`: a token per
+/// slot up to the last one touched, then the writer and the sequence number.
+/// The writer token is never `1` and nothing follows the sequence number, so a
+/// filter for a slot past the last token never matches (see [`node_log_filter`]).
+pub fn node_log_key(shards: impl IntoIterator<Item = u32>, writer: &str, seq: u64) -> String {
+    let mut touched = [false; NODE_LOG_SLOTS as usize];
+    let mut last = 0;
+    for shard in shards {
+        let slot = slot_of(shard) as usize;
+        touched[slot] = true;
+        last = last.max(slot);
+    }
+    let mut key = String::with_capacity(2 + 2 * (last + 1) + writer.len() + 22);
+    key.push('m');
+    for &slot in &touched[..=last] {
+        key.push_str(if slot { ".1" } else { ".0" });
+    }
+    key.push('.');
+    key.push_str(writer);
+    key.push('.');
+    key.push_str(&seq.to_string());
+    key
+}
+
+/// The KV key filter of the node log messages that may hold `shard`'s changes:
+/// its slot's token is `1`, and a writer and a sequence number follow.
+pub fn node_log_filter(shard: u32) -> String {
+    format!("m.{}1.>", "*.".repeat(slot_of(shard) as usize))
 }
 
 /// Frames encoded changes as one message payload (a MessagePack array).
@@ -457,6 +512,67 @@ mod tests {
         assert_eq!(log_of(8), 1);
         assert_eq!(log_filter(13), "l.1.>");
         assert_eq!(log_key(1, "w", 7), "l.1.w.7");
+    }
+
+    /// NATS subject matching: `*` is one token, `>` one or more to the end.
+    fn matches(filter: &str, subject: &str) -> bool {
+        let mut subject = subject.split('.');
+        for token in filter.split('.') {
+            match (token, subject.next()) {
+                (">", Some(_)) => return true,
+                ("*", Some(_)) => {}
+                (want, Some(got)) if want == got => {}
+                _ => return false,
+            }
+        }
+        subject.next().is_none()
+    }
+
+    #[test]
+    fn a_node_log_key_names_the_slots_it_holds() {
+        const WRITER: &str = "00112233445566ff";
+        assert_eq!(
+            node_log_key([2, 0, 2], WRITER, 1),
+            format!("m.1.0.1.{WRITER}.1")
+        );
+        // Shard 66 is in slot 2, with shard 2.
+        assert_eq!(node_log_key([66], WRITER, 9), format!("m.0.0.1.{WRITER}.9"));
+        let full = node_log_key(0..NODE_LOG_SLOTS, WRITER, 12);
+        assert_eq!(
+            full.len(),
+            1 + 2 * NODE_LOG_SLOTS as usize + 1 + WRITER.len() + 3
+        );
+        assert!(full.len() < 150);
+    }
+
+    #[test]
+    fn a_shard_reads_every_node_log_message_holding_its_slot_and_no_other() {
+        const WRITER: &str = "00112233445566ff";
+        // Messages touching a few slots, and the seq "1" where a filter for a
+        // slot past the last token could look for "1".
+        let messages: Vec<(Vec<u32>, String)> = [
+            vec![0],
+            vec![1],
+            vec![5, 70],
+            vec![63],
+            vec![0, 1, 2, 3],
+            (0..NODE_LOG_SLOTS).collect(),
+        ]
+        .into_iter()
+        .flat_map(|shards| {
+            [1, 2, 77].map(|seq| (shards.clone(), node_log_key(shards.clone(), WRITER, seq)))
+        })
+        .collect();
+        for shard in [0, 1, 2, 3, 4, 5, 6, 63, 64, 69, 70, 127, 4095] {
+            let filter = node_log_filter(shard);
+            for (shards, key) in &messages {
+                let holds_slot = shards.iter().any(|&s| slot_of(s) == slot_of(shard));
+                assert_eq!(matches(&filter, key), holds_slot, "{filter} against {key}");
+            }
+            // Never a group log message or another kind of key.
+            assert!(!matches(&filter, &log_key(log_of(shard), WRITER, 1)));
+            assert!(!matches(&filter, &format!("c.{shard}.abc")));
+        }
     }
 
     #[test]

@@ -5,22 +5,23 @@
 //!
 //! | bucket | key | value | TTL |
 //! |---|---|---|---|
-//! | `ankusa_<instance>_state` | `l.<log>.<writer>.<seq>` | a message of a log of claim changes and bucket TATs, `log = shard / 8` ([`claimlog`]) | until its longest-lived record expires |
+//! | `ankusa_<instance>_state` | `m.<slots>.<writer>.<seq>` | a message of a node's log of claim changes and bucket TATs; `<slots>` says which shards' changes it holds ([`claimlog`]) | until its longest-lived record expires |
+//! | | `l.<log>.<writer>.<seq>` | the same, in a log per group of 8 shards, `log = shard / 8` (written while a node of an earlier release is live) | until its longest-lived record expires |
 //! | | `c.<shard>.<h128(tenant,source_id,key)>` | [`StoredClaim`] (written before the log; still read) | until the claim expires |
 //! | | `b.<shard>.<h128(tenant)>` | [`StoredBuckets`] (written before the log; still read) | until every bucket is full |
 //! | `ankusa_<instance>_leases` | `s.<shard>` | [`LeaseValue`] | the lease TTL |
 //! | `ankusa_<instance>_nodes` | `<node_id>` | [`Heartbeat`] | the lease TTL |
 //!
 //! Tenants and keys never appear in a KV key in clear: any bytes are safe.
-//! Claims go through [`KvWriter`], a group commit: the claim changes of each
-//! log queue while its last message is in flight and leave together as the
+//! Claims go through [`KvWriter`], a group commit: a node's claim changes
+//! queue while its last log message is in flight and leave together as the
 //! next one, so a burst of hits costs a handful of stored messages, not one
 //! each. A caller is answered only once the message holding its change is
 //! acknowledged. Bucket TATs are written behind into the same logs, coalesced
 //! to at most one record per tenant per flush interval.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -89,6 +90,19 @@ pub struct Heartbeat {
     pub started_ms: u64,
     /// The node's HTTP endpoint, if it has one, for `ankusa status`.
     pub http: Option<String>,
+    /// The newest claim log format the node reads
+    /// ([`claimlog::NODE_LOG_FORMAT`]); 0 from nodes of releases before it.
+    #[serde(default)]
+    pub claim_log_format: u32,
+}
+
+impl Heartbeat {
+    /// Whether every node of `live` reads the node log, so that this one may
+    /// write it: whichever takes over a shard must see its changes.
+    pub fn all_read_node_log<'a>(live: impl IntoIterator<Item = &'a Heartbeat>) -> bool {
+        live.into_iter()
+            .all(|beat| beat.claim_log_format >= claimlog::NODE_LOG_FORMAT)
+    }
 }
 
 fn now_unix_us() -> u64 {
@@ -443,14 +457,15 @@ impl FleetKv {
 
     /// A shard's persisted state: every live claim and bucket of its tenants.
     ///
-    /// Reads the shard's claim log in stream order (see [`claimlog`]), its
-    /// bucket keys, and the one-key-per-claim records that nodes before the log
+    /// Reads the messages of the claim logs that may hold the shard's changes,
+    /// in stream order (see [`claimlog`]), its bucket keys, and the one-key-per-claim records that nodes before the log
     /// wrote (`c.<shard>.*`), so such a node's claims survive an upgrade.
     pub async fn load_shard(&self, shard: u32) -> Result<Vec<TenantSnapshot>, KvError> {
         let stream = load_step(self.js.get_stream(format!("KV_{}", self.state_bucket))).await?;
         let prefix = format!("$KV.{}.", self.state_bucket);
         let consumer = stream.create_consumer(consumer::pull::OrderedConfig {
             filter_subjects: vec![
+                format!("{prefix}{}", claimlog::node_log_filter(shard)),
                 format!("{prefix}{}", claimlog::log_filter(shard)),
                 format!("{prefix}c.{shard}.*"),
                 format!("{prefix}b.{shard}.*"),
@@ -497,7 +512,7 @@ impl FleetKv {
                     .strip_prefix(prefix.as_str())
                     .unwrap_or_default();
                 let payload = &message.payload;
-                if key.starts_with("l.") {
+                if key.starts_with("m.") || key.starts_with("l.") {
                     state.apply_message(key, payload, now_us)?;
                 } else if key.starts_with("c.") {
                     let stored: StoredClaim = decode(key, payload)?;
@@ -607,8 +622,8 @@ fn check_replicas(store: &kv::Store, configured: usize) {
 /// Who waits for a write's ack.
 type Done = oneshot::Sender<Result<(), PersistError>>;
 
-/// What the commit loop is given.
-/// A change of a shard (a claim change or a tenant's TATs), for its log.
+/// What the commit loop is given: a change of a shard (a claim change or a
+/// tenant's TATs), for its log.
 struct Submitted {
     shard: u32,
     change: EncodedChange,
@@ -631,19 +646,23 @@ pub struct KvWriter {
     tx: mpsc::Sender<Submitted>,
     /// Buckets changed since the last flush, latest TATs per tenant.
     dirty: Mutex<HashMap<DirtyTenant, DirtyTats>>,
+    /// Whether changes go to the node log rather than the group logs.
+    node_log: Arc<AtomicBool>,
 }
 
 impl KvWriter {
     /// Starts the writer and its write-behind flusher.
     pub fn start(kv: FleetKv, write_behind: Duration) -> Arc<Self> {
         let (tx, rx) = mpsc::channel(MAX_IN_FLIGHT);
+        let node_log = Arc::new(AtomicBool::new(false));
         let writer = Arc::new(Self {
             kv: kv.clone(),
             tx,
             dirty: Mutex::new(HashMap::new()),
+            node_log: node_log.clone(),
         });
         let logs = ClaimLogs::new(kv.state_bucket.clone());
-        tokio::spawn(commit_loop(kv.js.clone(), logs, rx));
+        tokio::spawn(commit_loop(kv.js.clone(), logs, node_log, rx));
         let flusher = Arc::downgrade(&writer);
         tokio::spawn(async move {
             let mut ticks = tokio::time::interval(write_behind);
@@ -660,6 +679,13 @@ impl KvWriter {
 
     pub fn kv(&self) -> &FleetKv {
         &self.kv
+    }
+
+    /// Writes the changes from now on to the node log (`true`) or to the group
+    /// logs (`false`, the start). A fleet turns it on once every live node
+    /// reads the node log ([`Heartbeat::all_read_node_log`]).
+    pub fn write_node_log(&self, on: bool) {
+        self.node_log.store(on, Ordering::Relaxed);
     }
 
     /// Hands a change to the commit loop; returns once it is in JetStream.
@@ -765,6 +791,9 @@ impl KvWriter {
     }
 }
 
+/// The log of the node log in [`ClaimLogs`]; group logs are numbered from 0.
+const NODE_LOG: u32 = u32::MAX;
+
 /// The claim logs this writer has written to: what waits to go out, and
 /// whether a message is in flight.
 struct ClaimLogs {
@@ -777,7 +806,8 @@ struct ClaimLogs {
 
 #[derive(Default)]
 struct ClaimLog {
-    queue: Vec<(EncodedChange, Done)>,
+    /// Each change with its shard.
+    queue: Vec<(u32, EncodedChange, Done)>,
     /// One message per log in flight keeps it in the order the changes were
     /// made.
     in_flight: bool,
@@ -815,29 +845,35 @@ impl ClaimLogs {
         let take = log
             .queue
             .iter()
-            .take_while(|(change, _)| {
+            .take_while(|(_, change, _)| {
                 bytes += change.bytes.len();
                 bytes <= claimlog::MAX_MESSAGE_BYTES
             })
             .count()
             .max(1);
-        let batch: Vec<(EncodedChange, Done)> = log.queue.drain(..take).collect();
+        let batch: Vec<(u32, EncodedChange, Done)> = log.queue.drain(..take).collect();
         log.in_flight = true;
         self.seq += 1;
         let keep_until = batch
             .iter()
-            .map(|(c, _)| c.keep_until_us)
+            .map(|(_, c, _)| c.keep_until_us)
             .max()
             .unwrap_or(0);
-        let payload = claimlog::frame(batch.iter().map(|(c, _)| c.bytes.as_slice()));
+        let payload = claimlog::frame(batch.iter().map(|(_, c, _)| c.bytes.as_slice()));
         metrics::histogram!("ankusa_claim_log_batch").record(batch.len() as f64);
+        let key = match id {
+            NODE_LOG => {
+                claimlog::node_log_key(batch.iter().map(|(s, _, _)| *s), &self.writer, self.seq)
+            }
+            group => claimlog::log_key(group, &self.writer, self.seq),
+        };
         let write = Write::put(
             &self.bucket,
-            &claimlog::log_key(id, &self.writer, self.seq),
+            &key,
             payload,
             ttl_secs_until(keep_until, now_unix_us()),
         );
-        Some((write, batch.into_iter().map(|(_, done)| done).collect()))
+        Some((write, batch.into_iter().map(|(_, _, done)| done).collect()))
     }
 }
 
@@ -845,12 +881,14 @@ impl ClaimLogs {
 const LANDING_YIELDS: usize = 4;
 
 /// Publishes writes as they come and completes each once its ack is in; many
-/// acks are awaited at once. Claim changes are grouped per log: while a
-/// log's message is in flight, its next changes queue up and leave together
-/// when it is acknowledged.
+/// acks are awaited at once. Claim changes are grouped per log (the node log,
+/// or a group log each while `node_log` is off): while a log's message is in
+/// flight, its next changes queue up and leave together when it is
+/// acknowledged.
 async fn commit_loop(
     js: jetstream::Context,
     mut logs: ClaimLogs,
+    node_log: Arc<AtomicBool>,
     mut rx: mpsc::Receiver<Submitted>,
 ) {
     let mut acks = FuturesUnordered::new();
@@ -870,8 +908,18 @@ async fn commit_loop(
                 let mut yields = 0;
                 loop {
                     while let Some(Submitted { shard, change, done }) = next.take() {
-                        let id = claimlog::log_of(shard);
-                        logs.logs.entry(id).or_default().queue.push((change, done));
+                        // Switching logs midway is safe: the replay does not
+                        // depend on the order of two messages in flight at once.
+                        let id = if node_log.load(Ordering::Relaxed) {
+                            NODE_LOG
+                        } else {
+                            claimlog::log_of(shard)
+                        };
+                        logs.logs
+                            .entry(id)
+                            .or_default()
+                            .queue
+                            .push((shard, change, done));
                         if !ready.contains(&id) {
                             ready.push(id);
                         }
@@ -957,4 +1005,55 @@ async fn publish(
         log
     }
     .boxed()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn beat(node: &str, claim_log_format: u32) -> Heartbeat {
+        Heartbeat {
+            node: node.into(),
+            started_ms: 1,
+            http: None,
+            claim_log_format,
+        }
+    }
+
+    #[test]
+    fn a_heartbeat_of_an_earlier_release_reads_as_group_log_only() {
+        /// The heartbeat as nodes before the node log wrote it.
+        #[derive(Debug, PartialEq, Serialize, Deserialize)]
+        struct Earlier {
+            node: String,
+            started_ms: u64,
+            http: Option<String>,
+        }
+        let earlier = encode(&Earlier {
+            node: "old".into(),
+            started_ms: 1,
+            http: None,
+        });
+        let read: Heartbeat = decode("old", &earlier).expect("decodes");
+        assert_eq!(read, beat("old", 0));
+        // And an earlier node reads this release's heartbeat: the new field is
+        // one it ignores.
+        let now = encode(&beat("new", claimlog::NODE_LOG_FORMAT));
+        let read: Earlier = decode("new", &now).expect("decodes");
+        assert_eq!(read.node, "new");
+    }
+
+    #[test]
+    fn the_node_log_is_written_only_when_every_live_node_reads_it() {
+        let format = claimlog::NODE_LOG_FORMAT;
+        assert!(Heartbeat::all_read_node_log(&[
+            beat("a", format),
+            beat("b", format)
+        ]));
+        assert!(!Heartbeat::all_read_node_log(&[
+            beat("a", format),
+            beat("b", 0)
+        ]));
+        assert!(!Heartbeat::all_read_node_log(&[beat("a", 1)]));
+    }
 }

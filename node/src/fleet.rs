@@ -19,6 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ankusa_actors::actor::{ShardConfig, TenantFailure};
+use ankusa_bus::claimlog;
 use ankusa_bus::kv::{within, FleetKv, Heartbeat, KvWriter, LeaseError};
 use ankusa_bus::persist::Persistence;
 use ankusa_bus::responder::ServeWindow;
@@ -92,6 +93,8 @@ struct Fleet {
     host: ShardHost,
     held: BTreeMap<u32, Held>,
     live: BTreeSet<String>,
+    /// Whether the writer writes the node log (every live node reads it).
+    node_log: bool,
     health: Arc<Health>,
     started_ms: u64,
     /// When the held leases were last renewed.
@@ -117,6 +120,7 @@ impl Fleet {
             node: self.config.node_id.clone(),
             started_ms: self.started_ms,
             http: self.config.http_addr.map(|a| a.to_string()),
+            claim_log_format: claimlog::NODE_LOG_FORMAT,
         };
         let bound = self.config.lease_ttl();
         if let Err(err) = within(bound, self.kv.heartbeat(&beat, self.config.lease_ttl())).await {
@@ -124,6 +128,20 @@ impl Fleet {
         }
         match within(bound, self.kv.live_nodes()).await {
             Ok(nodes) => {
+                let node_log = Heartbeat::all_read_node_log(&nodes);
+                if node_log != self.node_log {
+                    tracing::info!(
+                        node_log,
+                        "claim changes go to {}",
+                        if node_log {
+                            "this node's log: every live node reads it"
+                        } else {
+                            "the group logs: a live node does not read the node log"
+                        }
+                    );
+                    self.node_log = node_log;
+                    self.writer.write_node_log(node_log);
+                }
                 let mut live: BTreeSet<String> = nodes.into_iter().map(|b| b.node).collect();
                 live.insert(self.config.node_id.clone());
                 if live != self.live {
@@ -445,6 +463,7 @@ pub async fn run(
         host,
         held: BTreeMap::new(),
         live: BTreeSet::new(),
+        node_log: false,
         health,
     };
     let mut next_round = Instant::now();

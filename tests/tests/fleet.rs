@@ -3,13 +3,14 @@
 //!
 //! Balance (joins move only the shards rendezvous hashing assigns to the new
 //! node, leaves hand theirs over), durability of claims across kill -9 and a
-//! nats-server restart, and fencing of a paused (zombie) node.
+//! nats-server restart, fencing of a paused (zombie) node, and the claim log
+//! format a fleet writes beside a node of an earlier release.
 
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 use ankusa_actors::{HitOutcome, SettleOutcome, Settlement};
-use ankusa_bus::kv::FleetKv;
+use ankusa_bus::kv::{FleetKv, Heartbeat};
 use ankusa_bus::protocol::{ErrorCode, Op, Reply, ReplyBody, Request};
 use ankusa_bus::{shard_of, FleetConfig, FleetStore, NatsOptions, Store, Subjects};
 use ankusa_node::fleet::target_owner;
@@ -305,6 +306,106 @@ async fn a_paused_node_does_not_answer_for_a_shard_that_moved() {
 
     // And the fleet rebalances with the zombie back.
     wait_balanced(&kv, &["node-a", "node-b"], Duration::from_secs(15)).await;
+}
+
+/// The keys of the instance's state bucket now.
+async fn state_keys(nats: &NatsServer) -> Vec<String> {
+    let client = nats.connect().await.expect("connect");
+    let js = async_nats::jetstream::new(client);
+    let state = js
+        .get_key_value("ankusa_test_state")
+        .await
+        .expect("state bucket");
+    let keys = state.keys().await.expect("keys");
+    keys.filter_map(|k| async move { k.ok() }).collect().await
+}
+
+/// Hits and commits `key` on `tenant`'s shard, retrying while it moves.
+async fn commit(store: &FleetStore, tenant: &str, key: &str, hook: &str) {
+    let hit = retry_until_ok(Duration::from_secs(10), || {
+        store.hit(hit(tenant, key, hook), T)
+    })
+    .await;
+    assert_eq!(hit, Ok(HitOutcome::Ok), "hit {tenant}/{key}");
+    let settled = retry_until_ok(Duration::from_secs(10), || {
+        store.settle(settle(tenant, key, hook, Settlement::Commit), T)
+    })
+    .await;
+    assert_eq!(settled, Ok(SettleOutcome::Ok), "commit {tenant}/{key}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_go_to_the_node_log_only_once_every_live_node_reads_it() {
+    let nats = NatsServer::start().await.expect("nats");
+    let kv = kv(&nats).await;
+    // A node of an earlier release: its heartbeat names no claim log format.
+    let earlier = Heartbeat {
+        node: "node-earlier".into(),
+        started_ms: 1,
+        http: None,
+        claim_log_format: 0,
+    };
+    kv.heartbeat(&earlier, Duration::from_secs(120))
+        .await
+        .expect("heartbeat");
+    let mut nodes = [node("node-a", &nats), node("node-b", &nats)];
+    let with_earlier = targets(&["node-earlier", "node-a", "node-b"]);
+    let shard = (0..SHARDS)
+        .find(|s| with_earlier[s] != "node-earlier")
+        .expect("a shard for the new nodes");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while kv.lease_holders().await.unwrap_or_default().get(&shard) != Some(&with_earlier[&shard]) {
+        assert!(Instant::now() < deadline, "shard {shard} never taken");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let store = edge(&nats).await;
+    let tenant = tenant_on(shard);
+
+    commit(&store, &tenant, "before", "h1").await;
+    let keys = state_keys(&nats).await;
+    assert!(
+        keys.iter().any(|k| k.starts_with("l.")) && !keys.iter().any(|k| k.starts_with("m.")),
+        "beside an earlier node, only group logs: {keys:?}"
+    );
+
+    // Once it is gone, the next rounds switch both nodes to their node logs.
+    kv.leave("node-earlier").await.expect("leave");
+    wait_balanced(&kv, &["node-a", "node-b"], Duration::from_secs(20)).await;
+    let mut after = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let key = format!("after-{}", after.len());
+        commit(&store, &tenant, &key, "h2").await;
+        after.push(key);
+        if state_keys(&nats).await.iter().any(|k| k.starts_with("m.")) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no node log message within 10 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // The next owner reads both logs.
+    let owner = kv.lease_holders().await.expect("holders")[&shard].clone();
+    let index = nodes
+        .iter()
+        .position(|n| n.spec.node_id == owner)
+        .expect("owner runs");
+    nodes[index].kill().await.expect("kill -9");
+    for (key, hook) in
+        std::iter::once(("before", "h1")).chain(after.iter().map(|k| (k.as_str(), "h2")))
+    {
+        let answer = retry_until_ok(Duration::from_secs(10), || {
+            store.hit(hit(&tenant, key, "h9"), Duration::from_millis(300))
+        })
+        .await;
+        assert_eq!(
+            answer,
+            Ok(HitOutcome::Duplicate {
+                hook_id: hook.into()
+            }),
+            "{key} after the owner's kill -9"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -185,6 +185,7 @@ pub async fn durable(global: &Global, args: &DurableArgs) -> Result<(), CliError
 
 async fn durable_in(scratch: &Scratch, args: &DurableArgs) -> Result<DurableReport, CliError> {
     let writer = KvWriter::start(scratch.kv.clone(), Duration::from_millis(100));
+    writer.write_node_log(true);
     // Warm-up: the first publishes open the stream's files.
     let _ = write_claims(&writer, 1, 1000, 100, args.concurrency).await;
     let (ok, failed, elapsed) = write_claims(&writer, 0, args.count, 1000, args.concurrency).await;
@@ -276,6 +277,7 @@ pub async fn recovery(global: &Global, args: &RecoveryArgs) -> Result<(), CliErr
 
 async fn recovery_in(scratch: &Scratch, args: &RecoveryArgs) -> Result<RecoveryReport, CliError> {
     let writer = KvWriter::start(scratch.kv.clone(), Duration::from_millis(100));
+    writer.write_node_log(true);
     // Another shard's records in the same bucket, which the load must skip, as
     // it does in a real instance.
     let _ = write_claims(&writer, 1, args.claims / 10, args.tenants, args.concurrency).await;

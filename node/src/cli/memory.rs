@@ -313,6 +313,7 @@ pub async fn seed_parked(global: &Global, args: &SeedArgs) -> Result<(), CliErro
     let kv = FleetKv::open(client, &global.instance, 1).await?;
     // A write-behind period longer than the run: one explicit flush below.
     let writer = KvWriter::start(kv, Duration::from_secs(3600));
+    writer.write_node_log(true);
     let tat_us = (now_unix_ms() + 600_000) * 1000;
     let start = Instant::now();
     let run = std::process::id();
