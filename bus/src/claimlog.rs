@@ -8,18 +8,17 @@
 //! messages, not one each, which is what JetStream's per-message cost makes the
 //! limit of a node's throughput. There are two layouts; every node reads both:
 //!
-//! - **The node log** ([`NODE_LOG_FORMAT`]), `m.<slots>.<writer>.<seq>`: one log
-//!   per node, whatever shards its changes are for. `<slots>` is one token per
-//!   [shard slot](slot_of), `1` where the message holds a change of a shard of
-//!   that slot and `0` where not, up to the last slot it touches; a shard's load
-//!   reads the messages whose token for its slot is `1` ([`node_log_filter`]).
-//!   A node writes it once every live node says it reads it (its heartbeat's
-//!   `claim_log_format`), so a node of an earlier release never takes over a
-//!   shard whose changes it cannot see.
+//! - **The node log** ([`NODE_LOG_FORMAT`]), `m.<writer>.<seq>`: one log per
+//!   node, whatever shards its changes are for. A node writes it once every
+//!   live node says it reads it (its heartbeat's `claim_log_format`), so a node
+//!   of an earlier release never takes over a shard whose changes it cannot see.
 //! - **The group log** (format 1), `l.<log>.<writer>.<seq>`: a log per group of
 //!   [`SHARDS_PER_LOG`] consecutive shards, one message in flight per group. A
-//!   node spreads its shards over every group, so at peak each message held a
-//!   ninth of what the node log's hold (2 nodes × 64 shards).
+//!   node spreads its shards over every group, so its messages were a fraction
+//!   as full as the node log's.
+//!
+//! Any message may hold any shard's changes, so a load reads every message of
+//! the bucket and keeps its shards' (see `FleetKv::load_shards`).
 //!
 //! The payload is a MessagePack array of [`LoggedChange`] maps: `{"tenant": ..,
 //! "shard": .., "change": {"Put": ClaimRecord} | {"Delete": {..}}}` for a claim
@@ -53,11 +52,6 @@ pub const SHARDS_PER_LOG: u32 = 8;
 /// log. Nodes say which they read in their heartbeat; those of releases
 /// before it say nothing (0), and read only the group log (1).
 pub const NODE_LOG_FORMAT: u32 = 2;
-
-/// Slots of the node log's key: a shard's slot is `shard % NODE_LOG_SLOTS`.
-/// Part of the stored format. 64 keeps the key under 150 bytes and a load
-/// reading one shard slot's messages out of 64.
-pub const NODE_LOG_SLOTS: u32 = 64;
 
 /// Largest payload of one log message. Below the state bucket's value limit
 /// (64 KiB), so a batch is never refused for its size.
@@ -160,44 +154,9 @@ pub fn log_key(log: u32, writer: &str, seq: u64) -> String {
     format!("l.{log}.{writer}.{seq}")
 }
 
-/// The KV key filter of the group log holding `shard`'s changes.
-pub fn log_filter(shard: u32) -> String {
-    format!("l.{}.>", log_of(shard))
-}
-
-/// The node log slot of a shard.
-pub fn slot_of(shard: u32) -> u32 {
-    shard % NODE_LOG_SLOTS
-}
-
-/// The KV key of a node log message holding changes of `shards`: a token per
-/// slot up to the last one touched, then the writer and the sequence number.
-/// The writer token is never `1` and nothing follows the sequence number, so a
-/// filter for a slot past the last token never matches (see [`node_log_filter`]).
-pub fn node_log_key(shards: impl IntoIterator<Item = u32>, writer: &str, seq: u64) -> String {
-    let mut touched = [false; NODE_LOG_SLOTS as usize];
-    let mut last = 0;
-    for shard in shards {
-        let slot = slot_of(shard) as usize;
-        touched[slot] = true;
-        last = last.max(slot);
-    }
-    let mut key = String::with_capacity(2 + 2 * (last + 1) + writer.len() + 22);
-    key.push('m');
-    for &slot in &touched[..=last] {
-        key.push_str(if slot { ".1" } else { ".0" });
-    }
-    key.push('.');
-    key.push_str(writer);
-    key.push('.');
-    key.push_str(&seq.to_string());
-    key
-}
-
-/// The KV key filter of the node log messages that may hold `shard`'s changes:
-/// its slot's token is `1`, and a writer and a sequence number follow.
-pub fn node_log_filter(shard: u32) -> String {
-    format!("m.{}1.>", "*.".repeat(slot_of(shard) as usize))
+/// The KV key of a node log message: unique per writer and sequence number.
+pub fn node_log_key(writer: &str, seq: u64) -> String {
+    format!("m.{writer}.{seq}")
 }
 
 /// Frames encoded changes as one message payload (a MessagePack array).
@@ -211,10 +170,17 @@ pub fn frame<'a>(changes: impl ExactSizeIterator<Item = &'a [u8]>) -> Bytes {
     Bytes::from(payload)
 }
 
-/// A shard's claims and buckets, rebuilt change by change in log order.
+/// Shards' claims and buckets, rebuilt change by change in log order; changes
+/// of other shards are skipped. A load of several shards reads each message
+/// once.
 #[derive(Debug)]
 pub struct Replay {
-    shard: u32,
+    shards: HashMap<u32, ShardReplay>,
+}
+
+/// One shard's state as of the last change applied.
+#[derive(Debug, Default)]
+struct ShardReplay {
     /// Per tenant, per (source_id, key): the claim as of the last change applied.
     tenants: HashMap<String, HashMap<(String, String), ClaimRecord>>,
     /// Per tenant, per bucket kind: the last TAT recorded.
@@ -222,15 +188,16 @@ pub struct Replay {
 }
 
 impl Replay {
-    pub fn new(shard: u32) -> Self {
+    pub fn new(shards: impl IntoIterator<Item = u32>) -> Self {
         Self {
-            shard,
-            tenants: HashMap::new(),
-            buckets: HashMap::new(),
+            shards: shards
+                .into_iter()
+                .map(|shard| (shard, ShardReplay::default()))
+                .collect(),
         }
     }
 
-    /// Applies every change of one log message that belongs to this shard.
+    /// Applies every change of one log message that belongs to these shards.
     /// `key` names the message in errors.
     pub fn apply_message(&mut self, key: &str, payload: &[u8], now_us: u64) -> Result<(), KvError> {
         let changes: Vec<LoggedChange> =
@@ -238,23 +205,25 @@ impl Replay {
                 key: key.to_string(),
                 reason: e.to_string(),
             })?;
-        let shard = self.shard;
-        for logged in changes.into_iter().filter(|c| c.shard == shard) {
+        for logged in changes {
             if !logged.buckets.is_empty() {
-                self.apply_buckets(&logged.tenant, &logged.buckets);
+                self.apply_buckets(logged.shard, &logged.tenant, &logged.buckets);
             }
             if let Some(change) = logged.change {
-                self.apply(logged.tenant, change, now_us);
+                self.apply(logged.shard, logged.tenant, change, now_us);
             }
         }
         Ok(())
     }
 
     /// Records a tenant's bucket TATs; the last record of a bucket wins.
-    pub fn apply_buckets(&mut self, tenant: &str, buckets: &[BucketRecord]) {
-        let tats = match self.buckets.get_mut(tenant) {
+    pub fn apply_buckets(&mut self, shard: u32, tenant: &str, buckets: &[BucketRecord]) {
+        let Some(state) = self.shards.get_mut(&shard) else {
+            return;
+        };
+        let tats = match state.buckets.get_mut(tenant) {
             Some(tats) => tats,
-            None => self.buckets.entry(tenant.to_owned()).or_default(),
+            None => state.buckets.entry(tenant.to_owned()).or_default(),
         };
         for bucket in buckets {
             tats[kind_index(bucket.kind)] = Some(bucket.tat_us);
@@ -262,10 +231,13 @@ impl Replay {
     }
 
     /// Applies one change, by the two rules in the module doc.
-    pub fn apply(&mut self, tenant: String, change: ClaimChange, now_us: u64) {
+    pub fn apply(&mut self, shard: u32, tenant: String, change: ClaimChange, now_us: u64) {
+        let Some(state) = self.shards.get_mut(&shard) else {
+            return;
+        };
         match change {
             ClaimChange::Put(record) => {
-                let claims = self.tenants.entry(tenant).or_default();
+                let claims = state.tenants.entry(tenant).or_default();
                 let slot = (record.source_id().to_owned(), record.key().to_owned());
                 // A pending claim never replaces a live commit.
                 let holds_commit = claims
@@ -281,7 +253,7 @@ impl Replay {
                 hook_id,
                 ..
             } => {
-                let Some(claims) = self.tenants.get_mut(&tenant) else {
+                let Some(claims) = state.tenants.get_mut(&tenant) else {
                     return;
                 };
                 let slot = (source_id, key);
@@ -295,8 +267,18 @@ impl Replay {
         }
     }
 
-    /// The live state, per tenant: claims not expired, buckets not full.
-    pub fn finish(mut self, now_us: u64) -> Vec<TenantSnapshot> {
+    /// The live state of each shard, per tenant: claims not expired, buckets
+    /// not full. Every shard replayed has an entry.
+    pub fn finish(self, now_us: u64) -> HashMap<u32, Vec<TenantSnapshot>> {
+        self.shards
+            .into_iter()
+            .map(|(shard, state)| (shard, state.finish(now_us)))
+            .collect()
+    }
+}
+
+impl ShardReplay {
+    fn finish(mut self, now_us: u64) -> Vec<TenantSnapshot> {
         let mut snapshots = Vec::with_capacity(self.tenants.len());
         for (tenant, claims) in self.tenants {
             let buckets = self
@@ -388,12 +370,12 @@ mod tests {
             &put("z", "h9", true, NOW + 50),
         ));
         let payload = frame(encoded.iter().map(|e| e.bytes.as_slice()));
-        let mut replay = Replay::new(3);
+        let mut replay = Replay::new([3]);
         replay
             .apply_message("l.0.w.1", &payload, NOW)
             .expect("decodes");
-        let mut claims: Vec<ClaimRecord> = replay
-            .finish(NOW)
+        let mut claims: Vec<ClaimRecord> = replay.finish(NOW)[&3]
+            .clone()
             .into_iter()
             .flat_map(|t| t.claims)
             .collect();
@@ -483,11 +465,11 @@ mod tests {
         assert_eq!(entries[0].keep_until_us, NOW + 9);
         assert_eq!(entries[3].keep_until_us, NOW + RESET_KEEP_US);
         let payload = frame(entries.iter().map(|e| e.bytes.as_slice()));
-        let mut replay = Replay::new(3);
+        let mut replay = Replay::new([3]);
         replay
             .apply_message("l.0.w.1", &payload, NOW)
             .expect("decodes");
-        let mut snapshots = replay.finish(NOW);
+        let mut snapshots = replay.finish(NOW).remove(&3).expect("shard 3");
         snapshots.sort_by(|a, b| a.tenant.cmp(&b.tenant));
         let got: Vec<(&str, Vec<BucketRecord>, usize)> = snapshots
             .iter()
@@ -510,69 +492,12 @@ mod tests {
     fn eight_consecutive_shards_share_a_log() {
         assert_eq!((0..8).map(log_of).collect::<Vec<_>>(), vec![0; 8]);
         assert_eq!(log_of(8), 1);
-        assert_eq!(log_filter(13), "l.1.>");
         assert_eq!(log_key(1, "w", 7), "l.1.w.7");
     }
 
-    /// NATS subject matching: `*` is one token, `>` one or more to the end.
-    fn matches(filter: &str, subject: &str) -> bool {
-        let mut subject = subject.split('.');
-        for token in filter.split('.') {
-            match (token, subject.next()) {
-                (">", Some(_)) => return true,
-                ("*", Some(_)) => {}
-                (want, Some(got)) if want == got => {}
-                _ => return false,
-            }
-        }
-        subject.next().is_none()
-    }
-
     #[test]
-    fn a_node_log_key_names_the_slots_it_holds() {
-        const WRITER: &str = "00112233445566ff";
-        assert_eq!(
-            node_log_key([2, 0, 2], WRITER, 1),
-            format!("m.1.0.1.{WRITER}.1")
-        );
-        // Shard 66 is in slot 2, with shard 2.
-        assert_eq!(node_log_key([66], WRITER, 9), format!("m.0.0.1.{WRITER}.9"));
-        let full = node_log_key(0..NODE_LOG_SLOTS, WRITER, 12);
-        assert_eq!(
-            full.len(),
-            1 + 2 * NODE_LOG_SLOTS as usize + 1 + WRITER.len() + 3
-        );
-        assert!(full.len() < 150);
-    }
-
-    #[test]
-    fn a_shard_reads_every_node_log_message_holding_its_slot_and_no_other() {
-        const WRITER: &str = "00112233445566ff";
-        // Messages touching a few slots, and the seq "1" where a filter for a
-        // slot past the last token could look for "1".
-        let messages: Vec<(Vec<u32>, String)> = [
-            vec![0],
-            vec![1],
-            vec![5, 70],
-            vec![63],
-            vec![0, 1, 2, 3],
-            (0..NODE_LOG_SLOTS).collect(),
-        ]
-        .into_iter()
-        .flat_map(|shards| {
-            [1, 2, 77].map(|seq| (shards.clone(), node_log_key(shards.clone(), WRITER, seq)))
-        })
-        .collect();
-        for shard in [0, 1, 2, 3, 4, 5, 6, 63, 64, 69, 70, 127, 4095] {
-            let filter = node_log_filter(shard);
-            for (shards, key) in &messages {
-                let holds_slot = shards.iter().any(|&s| slot_of(s) == slot_of(shard));
-                assert_eq!(matches(&filter, key), holds_slot, "{filter} against {key}");
-            }
-            // Never a group log message or another kind of key.
-            assert!(!matches(&filter, &log_key(log_of(shard), WRITER, 1)));
-            assert!(!matches(&filter, &format!("c.{shard}.abc")));
-        }
+    fn a_node_log_key_names_its_writer_and_sequence_number() {
+        assert_eq!(node_log_key("00112233445566ff", 7), "m.00112233445566ff.7");
     }
 
     #[test]
@@ -589,7 +514,7 @@ mod tests {
 
     #[test]
     fn an_unreadable_message_is_a_typed_error() {
-        let mut replay = Replay::new(0);
+        let mut replay = Replay::new([0]);
         for payload in [&b"\xc1"[..], b"", b"\x91\x01"] {
             assert!(matches!(
                 replay.apply_message("l.0.w.2", payload, NOW),

@@ -5,7 +5,7 @@
 //!
 //! | bucket | key | value | TTL |
 //! |---|---|---|---|
-//! | `ankusa_<instance>_state` | `m.<slots>.<writer>.<seq>` | a message of a node's log of claim changes and bucket TATs; `<slots>` says which shards' changes it holds ([`claimlog`]) | until its longest-lived record expires |
+//! | `ankusa_<instance>_state` | `m.<writer>.<seq>` | a message of a node's log of claim changes and bucket TATs ([`claimlog`]) | until its longest-lived record expires |
 //! | | `l.<log>.<writer>.<seq>` | the same, in a log per group of 8 shards, `log = shard / 8` (written while a node of an earlier release is live) | until its longest-lived record expires |
 //! | | `c.<shard>.<h128(tenant,source_id,key)>` | [`StoredClaim`] (written before the log; still read) | until the claim expires |
 //! | | `b.<shard>.<h128(tenant)>` | [`StoredBuckets`] (written before the log; still read) | until every bucket is full |
@@ -456,20 +456,32 @@ impl FleetKv {
     }
 
     /// A shard's persisted state: every live claim and bucket of its tenants.
-    ///
-    /// Reads the messages of the claim logs that may hold the shard's changes,
-    /// in stream order (see [`claimlog`]), its bucket keys, and the one-key-per-claim records that nodes before the log
-    /// wrote (`c.<shard>.*`), so such a node's claims survive an upgrade.
     pub async fn load_shard(&self, shard: u32) -> Result<Vec<TenantSnapshot>, KvError> {
+        let mut loaded = self.load_shards(&[shard]).await?;
+        Ok(loaded.remove(&shard).unwrap_or_default())
+    }
+
+    /// Several shards' persisted state, read in one pass. Every shard asked
+    /// for has an entry.
+    ///
+    /// Reads every key of the state bucket in stream order, and keeps these
+    /// shards' changes: the claim logs (see [`claimlog`]), the bucket keys and
+    /// the one-key-per-claim records that nodes before the log wrote
+    /// (`c.<shard>.*`), so such a node's claims survive an upgrade. A node
+    /// log message may hold any shard's changes. Filters do not pay: one pass
+    /// over the bucket took nats-server less CPU than one filtered load per
+    /// shard (docs/benchmarks.md, session 20), and JetStream refuses filters
+    /// that overlap.
+    pub async fn load_shards(
+        &self,
+        shards: &[u32],
+    ) -> Result<HashMap<u32, Vec<TenantSnapshot>>, KvError> {
+        if shards.is_empty() {
+            return Ok(HashMap::new());
+        }
         let stream = load_step(self.js.get_stream(format!("KV_{}", self.state_bucket))).await?;
         let prefix = format!("$KV.{}.", self.state_bucket);
         let consumer = stream.create_consumer(consumer::pull::OrderedConfig {
-            filter_subjects: vec![
-                format!("{prefix}{}", claimlog::node_log_filter(shard)),
-                format!("{prefix}{}", claimlog::log_filter(shard)),
-                format!("{prefix}c.{shard}.*"),
-                format!("{prefix}b.{shard}.*"),
-            ],
             // Every key holds one message (history 1): all of them, in the
             // order they were stored, which is the order the log replays in.
             deliver_policy: consumer::DeliverPolicy::All,
@@ -477,15 +489,15 @@ impl FleetKv {
         });
         let mut consumer = load_step(consumer).await?;
         let info = load_step(consumer.info()).await?;
+        let mut state = Replay::new(shards.iter().copied());
         // The server would reap the consumer once idle; until then it filters every
         // write to the stream, so it goes as soon as the load is done.
         let mut reader = info.name.clone();
         if info.num_pending == 0 {
             let _ = stream.delete_consumer(&reader).await;
-            return Ok(Vec::new());
+            return Ok(state.finish(now_unix_us()));
         }
         let now_us = now_unix_us();
-        let mut state = Replay::new(shard);
         let mut messages = load_step(consumer.messages()).await?;
         while let Some(message) = within(LOAD_IDLE, messages.next().map(Ok::<_, KvError>)).await? {
             let message = message.map_err(request_err)?;
@@ -512,14 +524,23 @@ impl FleetKv {
                     .strip_prefix(prefix.as_str())
                     .unwrap_or_default();
                 let payload = &message.payload;
+                // `c.<shard>.*` and `b.<shard>.*` name their shard; the replay
+                // skips the shards it was not asked for.
+                let key_shard = || {
+                    key.split('.')
+                        .nth(1)
+                        .and_then(|s| s.parse().ok())
+                        .unwrap_or(u32::MAX)
+                };
                 if key.starts_with("m.") || key.starts_with("l.") {
                     state.apply_message(key, payload, now_us)?;
                 } else if key.starts_with("c.") {
                     let stored: StoredClaim = decode(key, payload)?;
-                    state.apply(stored.tenant, ClaimChange::Put(stored.claim), now_us);
+                    let change = ClaimChange::Put(stored.claim);
+                    state.apply(key_shard(), stored.tenant, change, now_us);
                 } else if key.starts_with("b.") {
                     let stored: StoredBuckets = decode(key, payload)?;
-                    state.apply_buckets(&stored.tenant, &stored.buckets);
+                    state.apply_buckets(key_shard(), &stored.tenant, &stored.buckets);
                 }
             }
             if left == 0 {
@@ -806,8 +827,7 @@ struct ClaimLogs {
 
 #[derive(Default)]
 struct ClaimLog {
-    /// Each change with its shard.
-    queue: Vec<(u32, EncodedChange, Done)>,
+    queue: Vec<(EncodedChange, Done)>,
     /// One message per log in flight keeps it in the order the changes were
     /// made.
     in_flight: bool,
@@ -845,26 +865,24 @@ impl ClaimLogs {
         let take = log
             .queue
             .iter()
-            .take_while(|(_, change, _)| {
+            .take_while(|(change, _)| {
                 bytes += change.bytes.len();
                 bytes <= claimlog::MAX_MESSAGE_BYTES
             })
             .count()
             .max(1);
-        let batch: Vec<(u32, EncodedChange, Done)> = log.queue.drain(..take).collect();
+        let batch: Vec<(EncodedChange, Done)> = log.queue.drain(..take).collect();
         log.in_flight = true;
         self.seq += 1;
         let keep_until = batch
             .iter()
-            .map(|(_, c, _)| c.keep_until_us)
+            .map(|(c, _)| c.keep_until_us)
             .max()
             .unwrap_or(0);
-        let payload = claimlog::frame(batch.iter().map(|(_, c, _)| c.bytes.as_slice()));
+        let payload = claimlog::frame(batch.iter().map(|(c, _)| c.bytes.as_slice()));
         metrics::histogram!("ankusa_claim_log_batch").record(batch.len() as f64);
         let key = match id {
-            NODE_LOG => {
-                claimlog::node_log_key(batch.iter().map(|(s, _, _)| *s), &self.writer, self.seq)
-            }
+            NODE_LOG => claimlog::node_log_key(&self.writer, self.seq),
             group => claimlog::log_key(group, &self.writer, self.seq),
         };
         let write = Write::put(
@@ -873,7 +891,7 @@ impl ClaimLogs {
             payload,
             ttl_secs_until(keep_until, now_unix_us()),
         );
-        Some((write, batch.into_iter().map(|(_, _, done)| done).collect()))
+        Some((write, batch.into_iter().map(|(_, done)| done).collect()))
     }
 }
 
@@ -915,11 +933,7 @@ async fn commit_loop(
                         } else {
                             claimlog::log_of(shard)
                         };
-                        logs.logs
-                            .entry(id)
-                            .or_default()
-                            .queue
-                            .push((shard, change, done));
+                        logs.logs.entry(id).or_default().queue.push((change, done));
                         if !ready.contains(&id) {
                             ready.push(id);
                         }

@@ -220,21 +220,23 @@ impl Fleet {
         );
     }
 
-    /// Takes every shard targeted here that is free. Returns whether some target
+    /// Takes every shard targeted here that is free: their leases first, then
+    /// their state from KV in one read (a log message holding changes of
+    /// several is read once), then serves them. Returns whether some target
     /// shard is still held elsewhere.
     async fn acquire(&mut self) -> bool {
         let mut waiting = false;
+        let ttl = self.config.lease_ttl();
+        let renew_every = Duration::from_millis(self.config.lease_renew_ms);
+        let mut taken = Vec::new();
         for shard in self.targets() {
             if self.held.contains_key(&shard) {
                 continue;
             }
-            // Loading shards can take a while; the leases already held must not
-            // lapse meanwhile.
-            if self.last_renew.elapsed() >= Duration::from_millis(self.config.lease_renew_ms) {
+            if self.last_renew.elapsed() >= renew_every {
                 self.renew().await;
             }
             let sent = Instant::now();
-            let ttl = self.config.lease_ttl();
             let revision =
                 match within(ttl, self.kv.acquire_lease(shard, &self.config.node_id, ttl)).await {
                     Ok(revision) => revision,
@@ -248,38 +250,80 @@ impl Fleet {
                         continue;
                     }
                 };
-            let loaded_at = Instant::now();
-            let state = match within(LOAD_BOUND, self.kv.load_shard(shard)).await {
-                Ok(state) => state,
-                Err(err) => {
-                    tracing::error!(shard, error = %err, "cannot load shard; giving the lease back");
-                    let _ = within(ttl, self.kv.release_lease(shard, revision)).await;
-                    waiting = true;
-                    continue;
-                }
-            };
-            let tenants = state.len();
-            let claims: usize = state.iter().map(|t| t.claims.len()).sum();
+            // Held from here, so that renewals keep the lease while it loads;
+            // nothing answers for it until it is served.
             let window = ServeWindow::closed();
             window.extend_to(lease_valid_until(&self.config, sent));
-            if let Err(err) = self.host.serve(shard, state, Some(window.clone())).await {
+            self.held.insert(shard, Held { revision, window });
+            taken.push(shard);
+        }
+        if taken.is_empty() {
+            return waiting;
+        }
+
+        let loaded_at = Instant::now();
+        let loaded = {
+            let kv = self.kv.clone();
+            let load = within(LOAD_BOUND, kv.load_shards(&taken));
+            tokio::pin!(load);
+            loop {
+                tokio::select! {
+                    loaded = &mut load => break loaded,
+                    _ = tokio::time::sleep(renew_every) => self.renew().await,
+                }
+            }
+        };
+        let load_ms = loaded_at.elapsed().as_millis() as u64;
+        let loaded_together = taken.len();
+        let mut states = match loaded {
+            Ok(states) => states,
+            Err(err) => {
+                tracing::error!(shards = ?taken, error = %err, "cannot load shards; giving the leases back");
+                for shard in taken {
+                    self.drop_lease(shard).await;
+                }
+                return true;
+            }
+        };
+        for shard in taken {
+            // A lease lost while loading was dropped by the renewal.
+            let Some(window) = self.held.get(&shard).map(|h| h.window.clone()) else {
+                waiting = true;
+                continue;
+            };
+            let state = states.remove(&shard).unwrap_or_default();
+            let tenants = state.len();
+            let claims: usize = state.iter().map(|t| t.claims.len()).sum();
+            if let Err(err) = self.host.serve(shard, state, Some(window)).await {
                 tracing::error!(shard, error = %err, "cannot serve shard; giving the lease back");
-                let _ = within(ttl, self.kv.release_lease(shard, revision)).await;
+                self.drop_lease(shard).await;
                 waiting = true;
                 continue;
             }
-            self.held.insert(shard, Held { revision, window });
-            metrics::histogram!("ankusa_shard_load_seconds")
-                .record(loaded_at.elapsed().as_secs_f64());
+            metrics::histogram!("ankusa_shard_load_seconds").record(load_ms as f64 / 1000.0);
             tracing::info!(
                 shard,
                 tenants,
                 claims,
-                load_ms = loaded_at.elapsed().as_millis() as u64,
+                load_ms,
+                loaded_together,
                 "serving shard"
             );
         }
         waiting
+    }
+
+    /// Stops holding `shard` and releases its lease, without a hand-back (it
+    /// is not being served: not yet, or its actor failed).
+    async fn drop_lease(&mut self, shard: u32) {
+        if let Some(held) = self.held.remove(&shard) {
+            held.window.close();
+            let _ = within(
+                self.config.lease_ttl(),
+                self.kv.release_lease(shard, held.revision),
+            )
+            .await;
+        }
     }
 
     /// One full round: heartbeat, renew, hand back, take.
@@ -326,14 +370,7 @@ impl Fleet {
             };
             if let Err(err) = restarted {
                 tracing::error!(shard, error = %err, "cannot restart shard; handing it back");
-                if let Some(held) = self.held.remove(&shard) {
-                    held.window.close();
-                    let _ = within(
-                        self.config.lease_ttl(),
-                        self.kv.release_lease(shard, held.revision),
-                    )
-                    .await;
-                }
+                self.drop_lease(shard).await;
             }
         }
     }
