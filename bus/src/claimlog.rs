@@ -25,8 +25,9 @@
 //! change, `{"tenant": .., "shard": .., "buckets": [BucketRecord, ..]}` for the
 //! bucket TATs a node writes behind (a TAT of 0 is a reset).
 //!
-//! [`Replay`] applies a log's messages in stream order to rebuild one shard's
-//! claims and buckets, keeping that shard's changes. A bucket's last record wins.
+//! [`Replay`] applies the logs' messages in stream order to rebuild the claims
+//! and buckets of the shards being loaded, skipping the other shards' changes.
+//! A bucket's last record wins.
 //! Two rules make the replay safe against writes that land late (a paused node
 //! waking up with writes still in its socket):
 //! - a pending claim never replaces a live committed one;

@@ -703,10 +703,11 @@ impl KvWriter {
     }
 
     /// Writes the changes from now on to the node log (`true`) or to the group
-    /// logs (`false`, the start). A fleet turns it on once every live node
-    /// reads the node log ([`Heartbeat::all_read_node_log`]).
-    pub fn write_node_log(&self, on: bool) {
-        self.node_log.store(on, Ordering::Relaxed);
+    /// logs (`false`, the start); returns the previous setting. A fleet turns
+    /// it on once every live node reads the node log
+    /// ([`Heartbeat::all_read_node_log`]).
+    pub fn write_node_log(&self, on: bool) -> bool {
+        self.node_log.swap(on, Ordering::Relaxed)
     }
 
     /// Hands a change to the commit loop; returns once it is in JetStream.

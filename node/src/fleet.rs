@@ -93,8 +93,6 @@ struct Fleet {
     host: ShardHost,
     held: BTreeMap<u32, Held>,
     live: BTreeSet<String>,
-    /// Whether the writer writes the node log (every live node reads it).
-    node_log: bool,
     health: Arc<Health>,
     started_ms: u64,
     /// When the held leases were last renewed.
@@ -129,7 +127,7 @@ impl Fleet {
         match within(bound, self.kv.live_nodes()).await {
             Ok(nodes) => {
                 let node_log = Heartbeat::all_read_node_log(&nodes);
-                if node_log != self.node_log {
+                if self.writer.write_node_log(node_log) != node_log {
                     tracing::info!(
                         node_log,
                         "claim changes go to {}",
@@ -139,8 +137,6 @@ impl Fleet {
                             "the group logs: a live node does not read the node log"
                         }
                     );
-                    self.node_log = node_log;
-                    self.writer.write_node_log(node_log);
                 }
                 let mut live: BTreeSet<String> = nodes.into_iter().map(|b| b.node).collect();
                 live.insert(self.config.node_id.clone());
@@ -500,7 +496,6 @@ pub async fn run(
         host,
         held: BTreeMap::new(),
         live: BTreeSet::new(),
-        node_log: false,
         health,
     };
     let mut next_round = Instant::now();
