@@ -491,9 +491,9 @@ fn window_open(window: &Option<ServeWindow>) -> bool {
 fn count(body: &ReplyBody) {
     let mut tally = Tally::default();
     tally.add(body);
-    for (result, n) in RESULTS.iter().zip(tally.results) {
+    for (result, n) in Answered::ALL.into_iter().zip(tally.results) {
         if n > 0 {
-            metrics::counter!("ankusa_requests_total", "result" => *result).increment(n);
+            metrics::counter!("ankusa_requests_total", "result" => result.label()).increment(n);
         }
     }
     for (code, n) in tally.refused {
@@ -501,19 +501,44 @@ fn count(body: &ReplyBody) {
     }
 }
 
-/// The results counted in `ankusa_requests_total`, in [`Tally::results`]' order.
-const RESULTS: [&str; 6] = [
-    "ok",
-    "duplicate",
-    "pending",
-    "rate_limited",
-    "settled",
-    "reset",
-];
+/// The results counted in `ankusa_requests_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Answered {
+    Ok,
+    Duplicate,
+    Pending,
+    RateLimited,
+    Settled,
+    Reset,
+}
+
+impl Answered {
+    /// Every result, in declaration order: `ALL[r as usize] == r`.
+    const ALL: [Answered; 6] = [
+        Answered::Ok,
+        Answered::Duplicate,
+        Answered::Pending,
+        Answered::RateLimited,
+        Answered::Settled,
+        Answered::Reset,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            Answered::Ok => "ok",
+            Answered::Duplicate => "duplicate",
+            Answered::Pending => "pending",
+            Answered::RateLimited => "rate_limited",
+            Answered::Settled => "settled",
+            Answered::Reset => "reset",
+        }
+    }
+}
 
 #[derive(Default)]
 struct Tally {
-    results: [u64; RESULTS.len()],
+    /// Per result, at `result as usize`.
+    results: [u64; Answered::ALL.len()],
     refused: Vec<(ErrorCode, u64)>,
 }
 
@@ -521,13 +546,13 @@ impl Tally {
     fn add(&mut self, body: &ReplyBody) {
         let result = match body {
             ReplyBody::Hit(outcome) => match outcome {
-                ankusa_actors::HitOutcome::Ok => 0,
-                ankusa_actors::HitOutcome::Duplicate { .. } => 1,
-                ankusa_actors::HitOutcome::Pending { .. } => 2,
-                ankusa_actors::HitOutcome::RateLimited { .. } => 3,
+                ankusa_actors::HitOutcome::Ok => Answered::Ok,
+                ankusa_actors::HitOutcome::Duplicate { .. } => Answered::Duplicate,
+                ankusa_actors::HitOutcome::Pending { .. } => Answered::Pending,
+                ankusa_actors::HitOutcome::RateLimited { .. } => Answered::RateLimited,
             },
-            ReplyBody::Settle(_) => 4,
-            ReplyBody::Reset => 5,
+            ReplyBody::Settle(_) => Answered::Settled,
+            ReplyBody::Reset => Answered::Reset,
             ReplyBody::Batch(items) => {
                 items.iter().for_each(|item| self.add(&item.body));
                 return;
@@ -540,7 +565,7 @@ impl Tally {
                 return;
             }
         };
-        self.results[result] += 1;
+        self.results[result as usize] += 1;
     }
 }
 
@@ -714,7 +739,15 @@ mod tests {
             items.into_iter().map(Reply::new).collect(),
         ));
         tally.add(&ReplyBody::Reset);
-        let counted: Vec<_> = RESULTS.iter().copied().zip(tally.results).collect();
+        assert!(Answered::ALL
+            .iter()
+            .enumerate()
+            .all(|(i, &r)| r as usize == i));
+        let counted: Vec<_> = Answered::ALL
+            .iter()
+            .map(|r| r.label())
+            .zip(tally.results)
+            .collect();
         assert_eq!(
             counted,
             [
