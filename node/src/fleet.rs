@@ -127,6 +127,12 @@ impl Fleet {
         match within(bound, self.kv.live_nodes()).await {
             Ok(nodes) => {
                 let node_log = Heartbeat::all_read_node_log(&nodes);
+                let format = if node_log {
+                    claimlog::NODE_LOG_FORMAT
+                } else {
+                    1
+                };
+                metrics::gauge!("ankusa_claim_log_format").set(f64::from(format));
                 if self.writer.write_node_log(node_log) != node_log {
                     tracing::info!(
                         node_log,

@@ -367,6 +367,9 @@ async fn claims_go_to_the_node_log_only_once_every_live_node_reads_it() {
         keys.iter().any(|k| k.starts_with("l.")) && !keys.iter().any(|k| k.starts_with("m.")),
         "beside an earlier node, only group logs: {keys:?}"
     );
+    for node in &nodes {
+        assert_eq!(node.metric("ankusa_claim_log_format").await, Some(1.0));
+    }
 
     // Once it is gone, the next rounds switch both nodes to their node logs.
     kv.leave("node-earlier").await.expect("leave");
@@ -382,6 +385,18 @@ async fn claims_go_to_the_node_log_only_once_every_live_node_reads_it() {
         }
         assert!(Instant::now() < deadline, "no node log message within 10 s");
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Each node switches in its own round.
+    for node in &nodes {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while node.metric("ankusa_claim_log_format").await != Some(2.0) {
+            assert!(
+                Instant::now() < deadline,
+                "{} still writes the group logs",
+                node.spec.node_id
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     // The next owner reads both logs.
