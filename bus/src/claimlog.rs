@@ -12,10 +12,10 @@
 //!   node, whatever shards its changes are for. A node writes it once every
 //!   live node says it reads it (its heartbeat's `claim_log_format`), so a node
 //!   of an earlier release never takes over a shard whose changes it cannot see.
-//! - **The group log** (format 1), `l.<log>.<writer>.<seq>`: a log per group of
-//!   [`SHARDS_PER_LOG`] consecutive shards, one message in flight per group. A
-//!   node spreads its shards over every group, so its messages were a fraction
-//!   as full as the node log's.
+//! - **The group log** ([`GROUP_LOG_FORMAT`]), `l.<log>.<writer>.<seq>`: a log
+//!   per group of [`SHARDS_PER_LOG`] consecutive shards, one message in flight
+//!   per group. A node spreads its shards over every group, so its messages
+//!   were a fraction as full as the node log's.
 //!
 //! Any message may hold any shard's changes, so a load reads every message of
 //! the bucket and keeps its shards' (see `FleetKv::load_shards`).
@@ -49,9 +49,12 @@ use crate::kv::KvError;
 /// on it.
 pub const SHARDS_PER_LOG: u32 = 8;
 
+/// The claim log format of the group logs, which every release reads.
+pub const GROUP_LOG_FORMAT: u32 = 1;
+
 /// The claim log format a node writes once every live node reads it: the node
 /// log. Nodes say which they read in their heartbeat; those of releases
-/// before it say nothing (0), and read only the group log (1).
+/// before it say nothing (0), and read only the group log.
 pub const NODE_LOG_FORMAT: u32 = 2;
 
 /// Largest payload of one log message. Below the state bucket's value limit

@@ -813,8 +813,14 @@ impl KvWriter {
     }
 }
 
-/// The log of the node log in [`ClaimLogs`]; group logs are numbered from 0.
-const NODE_LOG: u32 = u32::MAX;
+/// A claim log a writer writes to (see [`claimlog`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum LogId {
+    /// This node's own log.
+    Node,
+    /// The group log of shards `8 × n` to `8 × n + 7`.
+    Group(u32),
+}
 
 /// The claim logs this writer has written to: what waits to go out, and
 /// whether a message is in flight.
@@ -823,7 +829,7 @@ struct ClaimLogs {
     /// Makes this writer's log keys unique among every writer, past and present.
     writer: String,
     seq: u64,
-    logs: HashMap<u32, ClaimLog>,
+    logs: HashMap<LogId, ClaimLog>,
 }
 
 #[derive(Default)]
@@ -857,7 +863,7 @@ impl ClaimLogs {
 
     /// Takes the next message of log `id` (its queued changes, up to the size
     /// limit), unless one is in flight or nothing waits.
-    fn next_message(&mut self, id: u32) -> Option<(Write, Vec<Done>)> {
+    fn next_message(&mut self, id: LogId) -> Option<(Write, Vec<Done>)> {
         let log = self.logs.get_mut(&id)?;
         if log.in_flight || log.queue.is_empty() {
             return None;
@@ -883,8 +889,8 @@ impl ClaimLogs {
         let payload = claimlog::frame(batch.iter().map(|(c, _)| c.bytes.as_slice()));
         metrics::histogram!("ankusa_claim_log_batch").record(batch.len() as f64);
         let key = match id {
-            NODE_LOG => claimlog::node_log_key(&self.writer, self.seq),
-            group => claimlog::log_key(group, &self.writer, self.seq),
+            LogId::Node => claimlog::node_log_key(&self.writer, self.seq),
+            LogId::Group(group) => claimlog::log_key(group, &self.writer, self.seq),
         };
         let write = Write::put(
             &self.bucket,
@@ -930,9 +936,9 @@ async fn commit_loop(
                         // Switching logs midway is safe: the replay does not
                         // depend on the order of two messages in flight at once.
                         let id = if node_log.load(Ordering::Relaxed) {
-                            NODE_LOG
+                            LogId::Node
                         } else {
-                            claimlog::log_of(shard)
+                            LogId::Group(claimlog::log_of(shard))
                         };
                         logs.logs.entry(id).or_default().queue.push((change, done));
                         if !ready.contains(&id) {
@@ -971,8 +977,8 @@ async fn commit_loop(
 async fn send_next(
     js: &jetstream::Context,
     logs: &mut ClaimLogs,
-    id: u32,
-    acks: &mut FuturesUnordered<BoxFuture<'static, u32>>,
+    id: LogId,
+    acks: &mut FuturesUnordered<BoxFuture<'static, LogId>>,
 ) {
     if let Some((write, waiters)) = logs.next_message(id) {
         let acked = publish(js, write, waiters, id).await;
@@ -994,8 +1000,8 @@ async fn publish(
     js: &jetstream::Context,
     write: Write,
     waiters: Vec<Done>,
-    log: u32,
-) -> BoxFuture<'static, u32> {
+    log: LogId,
+) -> BoxFuture<'static, LogId> {
     let published = js
         .publish_with_headers(write.subject, write.headers, write.payload)
         .await;

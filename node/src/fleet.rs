@@ -130,7 +130,7 @@ impl Fleet {
                 let format = if node_log {
                     claimlog::NODE_LOG_FORMAT
                 } else {
-                    1
+                    claimlog::GROUP_LOG_FORMAT
                 };
                 metrics::gauge!("ankusa_claim_log_format").set(f64::from(format));
                 if self.writer.write_node_log(node_log) != node_log {

@@ -447,6 +447,14 @@ fn ratio(a: f64, b: f64) -> Option<f64> {
 }
 
 impl WorkloadReport {
+    /// The load generator's CPU per hit and its settle, µs (`None` without a
+    /// CPU reading or a hit).
+    pub fn loadgen_us_per_hit(&self) -> Option<f64> {
+        self.loadgen_cpu_s
+            .filter(|_| self.hits > 0)
+            .map(|cpu| 1e6 * cpu / self.hits as f64)
+    }
+
     /// The same report under another name.
     pub fn labelled(mut self, label: impl Into<String>) -> Self {
         self.label = label.into();
@@ -541,11 +549,10 @@ impl fmt::Display for WorkloadReport {
             s.already_committed,
             fmt_counts(&s.errors)
         )?;
-        if let Some(cpu) = self.loadgen_cpu_s.filter(|_| self.hits > 0) {
+        if let (Some(cpu), Some(per_hit)) = (self.loadgen_cpu_s, self.loadgen_us_per_hit()) {
             write!(
                 f,
-                "\n  load generator CPU: {cpu:.2} s, {:.1} µs per hit",
-                1e6 * cpu / self.hits as f64
+                "\n  load generator CPU: {cpu:.2} s, {per_hit:.1} µs per hit"
             )?;
         }
         if self.late_sends > 0 {
@@ -610,10 +617,8 @@ pub fn comparison_table(reports: &[&WorkloadReport]) -> String {
             r.hit_outcomes.errors_total() + r.settle_outcomes.errors_total(),
             fmt_ratio(rel.and_then(|x| x.hits_per_sec)),
             fmt_ratio(rel.and_then(|x| x.hit_p99)),
-            r.loadgen_cpu_s.filter(|_| r.hits > 0).map_or_else(
-                || "-".into(),
-                |cpu| format!("{:.1}", 1e6 * cpu / r.hits as f64)
-            ),
+            r.loadgen_us_per_hit()
+                .map_or_else(|| "-".into(), |us| format!("{us:.1}")),
         ));
     }
     out.push_str("latencies in µs; gen µs/hit: the load generator's CPU per hit and its settle");

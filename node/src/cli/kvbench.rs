@@ -107,10 +107,9 @@ fn committed(i: u64, expires_us: u64) -> ClaimRecord {
     )
 }
 
-/// Writes `count` claims of `shard` through `writer`, `concurrency` at a time.
-/// Returns (written, failed, elapsed).
 /// Writes `count` committed claims through `writer`, claim `i` on shard
-/// `shards[i % len]`.
+/// `shards[i % len]`, `concurrency` at a time. Returns (written, failed,
+/// elapsed).
 async fn write_claims(
     writer: &Arc<KvWriter>,
     shards: &[u32],
