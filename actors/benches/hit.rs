@@ -1,5 +1,5 @@
 //! The cost of one hit: the pure decision (`TenantState::hit`) and the round trip
-//! through a `ShardActor` and its tenant actor, on a current-thread runtime (the
+//! to a running tenant's actor through its `ShardHandle`, on a current-thread runtime (the
 //! one a node runs on by default, `worker_threads = 1`) and on a multi-thread one
 //! (`worker_threads = 0`). After the criterion runs, a plain latency pass prints
 //! p50/p99/p99.9 of single actor round trips, since the target is a median.
@@ -14,11 +14,9 @@ use std::time::{Duration, Instant};
 use ankusa_actors::actor::Job;
 use ankusa_actors::{
     spawn_shard, Charge, Claim, HitOutcome, HitRequest, Kind, SettleRequest, Settlement,
-    ShardConfig, ShardMsg, SystemClock, TenantState,
+    ShardConfig, ShardHandle, SystemClock, TenantState,
 };
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use ractor::rpc::CallResult;
-use ractor::ActorRef;
 use tokio::runtime::{Builder, Runtime};
 
 const T0: u64 = 1_700_000_000_000_000;
@@ -141,7 +139,7 @@ fn runtime(multi_thread: bool) -> Runtime {
 
 /// A shard on the system clock (claims expire in real time, see [`KEYS`]) with its
 /// tenant actor already running.
-fn shard(rt: &Runtime) -> ActorRef<ShardMsg> {
+fn shard(rt: &Runtime) -> ShardHandle {
     rt.block_on(async {
         let shard = spawn_shard(ShardConfig::new(Arc::new(SystemClock)), vec![], None)
             .await
@@ -151,28 +149,22 @@ fn shard(rt: &Runtime) -> ActorRef<ShardMsg> {
     })
 }
 
-async fn round_trip(shard: &ActorRef<ShardMsg>, req: HitRequest) -> HitOutcome {
-    let reply = shard
-        .call(
-            |reply| {
-                ShardMsg::Hit(Job {
-                    req,
-                    deadline: None,
-                    reply,
-                })
-            },
-            None,
-        )
-        .await;
-    match reply {
-        Ok(CallResult::Success(Ok(applied))) => applied.outcome,
+async fn round_trip(shard: &ShardHandle, req: HitRequest) -> HitOutcome {
+    let (reply, rx) = tokio::sync::oneshot::channel();
+    shard.send(Job {
+        req,
+        deadline: None,
+        reply: reply.into(),
+    });
+    match rx.await {
+        Ok(Ok(applied)) => applied.outcome,
         other => panic!("hit failed: {other:?}"),
     }
 }
 
 /// `iters` sequential round trips, run as a task of the runtime (not in
 /// `block_on`'s thread, which a node's request handlers never are).
-fn timed_round_trips(rt: &Runtime, shard: &ActorRef<ShardMsg>, iters: u64) -> Duration {
+fn timed_round_trips(rt: &Runtime, shard: &ShardHandle, iters: u64) -> Duration {
     let shard = shard.clone();
     // Building the requests is the caller's cost, not the store's: done untimed.
     let reqs = fresh_key_requests(TENANT);
@@ -191,7 +183,7 @@ fn timed_round_trips(rt: &Runtime, shard: &ActorRef<ShardMsg>, iters: u64) -> Du
 /// subscriber sees them: each caller runs `iters` round trips over its keys.
 fn timed_in_flight(
     rt: &Runtime,
-    shard: &ActorRef<ShardMsg>,
+    shard: &ShardHandle,
     per_caller: &Arc<Vec<Vec<HitRequest>>>,
     iters: u64,
 ) -> Duration {
@@ -244,7 +236,7 @@ fn actor(c: &mut Criterion) {
         group.bench_function(format!("64_in_flight_16_tenants_{runtime_name}"), |b| {
             b.iter_custom(|iters| timed_in_flight(&rt, &shard, &per_caller, iters))
         });
-        shard.stop(None);
+        shard.actor().stop(None);
     }
     group.finish();
 }
@@ -285,7 +277,7 @@ fn latency() {
             at(0.999),
             samples[samples.len() - 1],
         );
-        shard.stop(None);
+        shard.actor().stop(None);
     }
 }
 

@@ -1,5 +1,12 @@
-//! The actors: a [`ShardActor`] per shard routes each request to the
-//! [`TenantActor`] of its tenant, spawning it on demand.
+//! The actors: a [`TenantActor`] per tenant owns its buckets and claims; a
+//! [`ShardActor`] per shard starts, retires and supervises its tenants.
+//!
+//! A request for a tenant whose actor runs goes straight to that actor
+//! ([`ShardHandle::send`]); only a tenant without one goes through the shard
+//! actor, which starts it. The shard actor is the only one that adds or removes
+//! running tenants, and a handle casts while it holds the map's read lock, so a
+//! job handed to a tenant always lands in its mailbox before the shard's own
+//! message retiring it.
 //!
 //! Memory follows live state. A tenant actor that has been quiet for
 //! [`ShardConfig::idle_after`] is retired: its state comes back to the shard,
@@ -12,8 +19,8 @@
 //! each behind its own actor, keep their latency.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use ractor::rpc::CallResult;
@@ -175,6 +182,8 @@ pub struct TenantGauges {
     pub queued: AtomicUsize,
     /// Claims the tenant holds (live, or expired and not yet swept).
     pub claims: AtomicUsize,
+    /// When the actor last took up a hit or settle (or started), by its clock.
+    pub last_active_us: AtomicU64,
 }
 
 pub struct TenantActorState {
@@ -210,6 +219,7 @@ impl Actor for TenantActor {
         match msg {
             TenantMsg::Hit(job) => {
                 me.gauges.queued.fetch_sub(1, Ordering::Relaxed);
+                me.gauges.last_active_us.store(now, Ordering::Relaxed);
                 if job.expired() {
                     job.refuse(Refused::DeadlineExpired);
                     return Ok(());
@@ -219,6 +229,7 @@ impl Actor for TenantActor {
             }
             TenantMsg::Settle(job) => {
                 me.gauges.queued.fetch_sub(1, Ordering::Relaxed);
+                me.gauges.last_active_us.store(now, Ordering::Relaxed);
                 if job.expired() {
                     job.refuse(Refused::DeadlineExpired);
                     return Ok(());
@@ -251,108 +262,248 @@ impl Actor for TenantActor {
     }
 }
 
-/// The actor of one shard.
-pub struct ShardActor;
+/// A request a tenant's actor applies: a hit or a settle.
+pub trait TenantRequest: Sized + Send + 'static {
+    type Outcome: Send + 'static;
+    fn tenant_name(&self) -> &str;
+    fn check(&self) -> Result<(), InvalidRequest>;
+    fn to_tenant(job: Job<Self, Self::Outcome>) -> TenantMsg;
+    /// The job back from a message its tenant's actor did not take.
+    fn from_tenant(msg: TenantMsg) -> Option<Job<Self, Self::Outcome>>;
+    fn to_shard(job: Job<Self, Self::Outcome>) -> ShardMsg;
+}
 
+impl TenantRequest for HitRequest {
+    type Outcome = HitOutcome;
+    fn tenant_name(&self) -> &str {
+        self.tenant()
+    }
+    fn check(&self) -> Result<(), InvalidRequest> {
+        self.validate()
+    }
+    fn to_tenant(job: HitJob) -> TenantMsg {
+        TenantMsg::Hit(job)
+    }
+    fn from_tenant(msg: TenantMsg) -> Option<HitJob> {
+        match msg {
+            TenantMsg::Hit(job) => Some(job),
+            _ => None,
+        }
+    }
+    fn to_shard(job: HitJob) -> ShardMsg {
+        ShardMsg::Hit(job)
+    }
+}
+
+impl TenantRequest for SettleRequest {
+    type Outcome = SettleOutcome;
+    fn tenant_name(&self) -> &str {
+        &self.claim.tenant
+    }
+    fn check(&self) -> Result<(), InvalidRequest> {
+        self.validate()
+    }
+    fn to_tenant(job: SettleJob) -> TenantMsg {
+        TenantMsg::Settle(job)
+    }
+    fn from_tenant(msg: TenantMsg) -> Option<SettleJob> {
+        match msg {
+            TenantMsg::Settle(job) => Some(job),
+            _ => None,
+        }
+    }
+    fn to_shard(job: SettleJob) -> ShardMsg {
+        ShardMsg::Settle(job)
+    }
+}
+
+/// The job, if it may be applied; otherwise it is refused here.
+fn admit<R: TenantRequest>(job: Job<R, R::Outcome>) -> Option<Job<R, R::Outcome>> {
+    if let Err(why) = job.req.check() {
+        job.refuse(why.into());
+        return None;
+    }
+    if job.expired() {
+        job.refuse(Refused::DeadlineExpired);
+        return None;
+    }
+    Some(job)
+}
+
+/// A running tenant, as its shard and the shard's handles see it.
+#[derive(Clone)]
 struct ActiveTenant {
     actor: ActorRef<TenantMsg>,
     gauges: Arc<TenantGauges>,
-    last_routed_us: u64,
 }
 
-pub struct ShardState {
-    config: ShardConfig,
-    active: HashMap<Box<str>, ActiveTenant>,
-    parked: HashMap<Box<str>, TenantState>,
-    last_sweep_us: u64,
-    restarts: u64,
-    shed: u64,
+/// A shard's running tenants, shared by its actor (the only writer) and its
+/// handles.
+struct Running {
+    tenants: RwLock<HashMap<Box<str>, ActiveTenant>>,
+    /// Requests a tenant may have waiting before more are shed.
+    queue_limit: usize,
+    /// Requests shed because a tenant's queue was full.
+    shed: AtomicU64,
 }
 
-impl ShardState {
-    /// The tenant's actor, started (from its parked state, if any) when needed.
-    async fn tenant(
-        &mut self,
-        myself: &ActorRef<ShardMsg>,
-        tenant: &str,
-    ) -> Result<&mut ActiveTenant, ActorProcessingErr> {
-        if !self.active.contains_key(tenant) {
-            let state = self.parked.remove(tenant).unwrap_or_default();
-            let gauges = Arc::new(TenantGauges::default());
-            gauges.claims.store(state.claims().len(), Ordering::Relaxed);
-            let args = TenantArgs {
-                state,
-                clock: self.config.clock.clone(),
-                gauges: gauges.clone(),
-            };
-            let (actor, _) =
-                Actor::spawn_linked(None, TenantActor, args, myself.get_cell()).await?;
-            self.active.insert(
-                tenant.into(),
-                ActiveTenant {
-                    actor,
-                    gauges,
-                    last_routed_us: 0,
-                },
-            );
-        }
-        let now = self.config.clock.now_us();
-        let active = self
-            .active
-            .get_mut(tenant)
-            .ok_or("tenant actor vanished while being started")?;
-        active.last_routed_us = now;
-        Ok(active)
+impl Running {
+    fn read(&self) -> RwLockReadGuard<'_, HashMap<Box<str>, ActiveTenant>> {
+        self.tenants.read().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Routes a hit or settle job, shedding it when the tenant's queue is full.
-    async fn route<Req, Out>(
-        &mut self,
-        myself: &ActorRef<ShardMsg>,
-        tenant: &str,
-        job: Job<Req, Out>,
-        wrap: fn(Job<Req, Out>) -> TenantMsg,
-    ) -> Result<(), ActorProcessingErr> {
-        let limit = self.config.tenant_queue;
-        let active = self.tenant(myself, tenant).await?;
+    fn write(&self) -> RwLockWriteGuard<'_, HashMap<Box<str>, ActiveTenant>> {
+        self.tenants.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Hands `job` to its tenant's actor, or sheds it when the tenant's queue is
+    /// full. Gives the job back when the tenant has no actor that takes it.
+    fn route<R: TenantRequest>(&self, job: Job<R, R::Outcome>) -> Result<(), Job<R, R::Outcome>> {
+        let tenants = self.read();
+        let Some(active) = tenants.get(job.req.tenant_name()) else {
+            return Err(job);
+        };
         let queued = active.gauges.queued.fetch_add(1, Ordering::Relaxed);
-        if queued >= limit {
+        if queued >= self.queue_limit {
             active.gauges.queued.fetch_sub(1, Ordering::Relaxed);
-            self.shed += 1;
+            self.shed.fetch_add(1, Ordering::Relaxed);
             job.refuse(Refused::Overloaded { queued });
             return Ok(());
         }
-        if let Err(err) = active.actor.cast(wrap(job)) {
-            // The actor is stopping; its supervision event will clean up.
-            active.gauges.queued.fetch_sub(1, Ordering::Relaxed);
-            match err {
-                MessagingErr::SendErr(TenantMsg::Hit(job)) => job.refuse(Refused::Unavailable),
-                MessagingErr::SendErr(TenantMsg::Settle(job)) => job.refuse(Refused::Unavailable),
+        // Cast under the read lock: the shard removes a tenant (write lock)
+        // before it sends it `Retire`, so this job is ahead of that message.
+        match active.actor.cast(R::to_tenant(job)) {
+            Ok(()) => Ok(()),
+            Err(err) => {
+                active.gauges.queued.fetch_sub(1, Ordering::Relaxed);
+                match err {
+                    MessagingErr::SendErr(msg) => R::from_tenant(msg).map_or(Ok(()), Err),
+                    // Not a message of this actor's type: cannot happen, and the
+                    // dropped reply port tells the caller.
+                    _ => Ok(()),
+                }
+            }
+        }
+    }
+}
+
+/// The way into a running shard: its actor, and its running tenants' actors.
+#[derive(Clone)]
+pub struct ShardHandle {
+    actor: ActorRef<ShardMsg>,
+    running: Arc<Running>,
+}
+
+impl ShardHandle {
+    /// The shard's actor, for every message but hits and settles.
+    pub fn actor(&self) -> &ActorRef<ShardMsg> {
+        &self.actor
+    }
+
+    /// Hands a hit or settle to its tenant: straight to the tenant's actor when
+    /// it runs, otherwise through the shard actor, which starts it. Every job
+    /// is answered on its reply port, with `Refused::Unavailable` if the shard
+    /// has stopped.
+    pub fn send<R: TenantRequest>(&self, job: Job<R, R::Outcome>) {
+        let Some(job) = admit(job) else { return };
+        let Err(job) = self.running.route(job) else {
+            return;
+        };
+        if let Err(MessagingErr::SendErr(msg)) = self.actor.cast(R::to_shard(job)) {
+            match msg {
+                ShardMsg::Hit(job) => job.refuse(Refused::Unavailable),
+                ShardMsg::Settle(job) => job.refuse(Refused::Unavailable),
                 _ => {}
             }
-            self.active.remove(tenant);
+        }
+    }
+}
+
+/// The actor of one shard.
+pub struct ShardActor;
+
+pub struct ShardState {
+    config: ShardConfig,
+    running: Arc<Running>,
+    parked: HashMap<Box<str>, TenantState>,
+    last_sweep_us: u64,
+    restarts: u64,
+}
+
+impl ShardState {
+    /// Starts the tenant's actor (from its parked state, if any) unless it runs.
+    async fn start_tenant(
+        &mut self,
+        myself: &ActorRef<ShardMsg>,
+        tenant: &str,
+    ) -> Result<(), ActorProcessingErr> {
+        if self.running.read().contains_key(tenant) {
+            return Ok(());
+        }
+        let state = self.parked.remove(tenant).unwrap_or_default();
+        let gauges = Arc::new(TenantGauges::default());
+        gauges.claims.store(state.claims().len(), Ordering::Relaxed);
+        gauges
+            .last_active_us
+            .store(self.config.clock.now_us(), Ordering::Relaxed);
+        let args = TenantArgs {
+            state,
+            clock: self.config.clock.clone(),
+            gauges: gauges.clone(),
+        };
+        let (actor, _) = Actor::spawn_linked(None, TenantActor, args, myself.get_cell()).await?;
+        self.running
+            .write()
+            .insert(tenant.into(), ActiveTenant { actor, gauges });
+        Ok(())
+    }
+
+    /// Routes a hit or settle job, starting its tenant first if need be.
+    async fn route<R: TenantRequest>(
+        &mut self,
+        myself: &ActorRef<ShardMsg>,
+        job: Job<R, R::Outcome>,
+    ) -> Result<(), ActorProcessingErr> {
+        let Some(job) = admit(job) else { return Ok(()) };
+        let Err(job) = self.running.route(job) else {
+            return Ok(());
+        };
+        let tenant: Box<str> = job.req.tenant_name().into();
+        self.start_tenant(myself, &tenant).await?;
+        if let Err(job) = self.running.route(job) {
+            // The actor is stopping; its supervision event will clean up.
+            self.running.write().remove(&tenant);
+            job.refuse(Refused::Unavailable);
         }
         Ok(())
+    }
+
+    /// A running tenant's actor, for a message that is not a hit or settle.
+    fn active(&self, tenant: &str) -> Option<ActorRef<TenantMsg>> {
+        self.running.read().get(tenant).map(|t| t.actor.clone())
     }
 
     async fn tick(&mut self) {
         let now = self.config.clock.now_us();
         let idle_us = self.config.idle_after.as_micros() as u64;
-        let quiet: Vec<Box<str>> = self
-            .active
-            .iter()
-            .filter(|(_, t)| now.saturating_sub(t.last_routed_us) >= idle_us)
-            .map(|(name, _)| name.clone())
-            .collect();
-        for name in quiet {
-            let Some(tenant) = self.active.remove(&name) else {
-                continue;
-            };
+        let quiet: Vec<(Box<str>, ActorRef<TenantMsg>)> = {
+            let mut running = self.running.write();
+            let names: Vec<Box<str>> = running
+                .iter()
+                .filter(|(_, t)| {
+                    now.saturating_sub(t.gauges.last_active_us.load(Ordering::Relaxed)) >= idle_us
+                })
+                .map(|(name, _)| name.clone())
+                .collect();
+            names
+                .into_iter()
+                .filter_map(|name| running.remove(&name).map(|t| (name, t.actor)))
+                .collect()
+        };
+        for (name, actor) in quiet {
             // FIFO mailbox: Retire runs after every job already routed to it, and no
-            // new job can be routed while this handler awaits.
-            if let Ok(CallResult::Success(mut state)) =
-                tenant.actor.call(TenantMsg::Retire, None).await
-            {
+            // new job can be routed to it once it left the map.
+            if let Ok(CallResult::Success(mut state)) = actor.call(TenantMsg::Retire, None).await {
                 state.sweep(now);
                 if !state.is_empty(now) {
                     self.parked.insert(name, state);
@@ -363,7 +514,7 @@ impl ShardState {
         let sweep_us = self.config.sweep_every.as_micros() as u64;
         if now.saturating_sub(self.last_sweep_us) >= sweep_us {
             self.last_sweep_us = now;
-            for tenant in self.active.values() {
+            for tenant in self.running.read().values() {
                 let _ = tenant.actor.cast(TenantMsg::Sweep);
             }
             self.parked.retain(|_, state| {
@@ -375,11 +526,15 @@ impl ShardState {
 
     async fn export(&self) -> Vec<TenantSnapshot> {
         let now = self.config.clock.now_us();
-        let mut out = Vec::with_capacity(self.active.len() + self.parked.len());
-        for (name, tenant) in &self.active {
-            if let Ok(CallResult::Success(mut snap)) =
-                tenant.actor.call(TenantMsg::Snapshot, None).await
-            {
+        let running: Vec<(Box<str>, ActorRef<TenantMsg>)> = self
+            .running
+            .read()
+            .iter()
+            .map(|(name, t)| (name.clone(), t.actor.clone()))
+            .collect();
+        let mut out = Vec::with_capacity(running.len() + self.parked.len());
+        for (name, actor) in running {
+            if let Ok(CallResult::Success(mut snap)) = actor.call(TenantMsg::Snapshot, None).await {
                 snap.tenant = name.to_string();
                 out.push(snap);
             }
@@ -396,18 +551,17 @@ impl ShardState {
     /// Read from the tenants' gauges: the shard never waits on a tenant for it.
     fn stats(&self) -> ShardStats {
         let parked: usize = self.parked.values().map(|s| s.claims().len()).sum();
-        let active: usize = self
-            .active
+        let running = self.running.read();
+        let active: usize = running
             .values()
             .map(|t| t.gauges.claims.load(Ordering::Relaxed))
             .sum();
-        let claims = parked + active;
         ShardStats {
-            active_tenants: self.active.len(),
+            active_tenants: running.len(),
             parked_tenants: self.parked.len(),
-            claims,
+            claims: parked + active,
             restarts: self.restarts,
-            shed: self.shed,
+            shed: self.running.shed.load(Ordering::Relaxed),
         }
     }
 }
@@ -416,6 +570,7 @@ impl ShardState {
 pub struct ShardArgs {
     pub config: ShardConfig,
     pub tenants: Vec<TenantSnapshot>,
+    running: Arc<Running>,
 }
 
 impl Actor for ShardActor {
@@ -431,10 +586,9 @@ impl Actor for ShardActor {
         let mut state = ShardState {
             last_sweep_us: args.config.clock.now_us(),
             config: args.config,
-            active: HashMap::new(),
+            running: args.running,
             parked: HashMap::new(),
             restarts: 0,
-            shed: 0,
         };
         absorb(&mut state, args.tenants);
         Ok(state)
@@ -447,39 +601,15 @@ impl Actor for ShardActor {
         state: &mut ShardState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            ShardMsg::Hit(job) => {
-                if let Err(why) = job.req.validate() {
-                    job.refuse(why.into());
-                    return Ok(());
-                }
-                if job.expired() {
-                    job.refuse(Refused::DeadlineExpired);
-                    return Ok(());
-                }
-                let tenant = job.req.tenant().to_owned();
-                state.route(&myself, &tenant, job, TenantMsg::Hit).await?;
-            }
-            ShardMsg::Settle(job) => {
-                if let Err(why) = job.req.validate() {
-                    job.refuse(why.into());
-                    return Ok(());
-                }
-                if job.expired() {
-                    job.refuse(Refused::DeadlineExpired);
-                    return Ok(());
-                }
-                let tenant = job.req.claim.tenant.clone();
-                state
-                    .route(&myself, &tenant, job, TenantMsg::Settle)
-                    .await?;
-            }
+            ShardMsg::Hit(job) => state.route(&myself, job).await?,
+            ShardMsg::Settle(job) => state.route(&myself, job).await?,
             ShardMsg::Reset { tenant, reply } => {
                 if let Err(why) = validate_tenant(&tenant) {
                     let _ = reply.send(Err(why.into()));
                     return Ok(());
                 }
-                let changes = if let Some(active) = state.active.get(tenant.as_str()) {
-                    match active.actor.call(TenantMsg::Reset, None).await {
+                let changes = if let Some(actor) = state.active(&tenant) {
+                    match actor.call(TenantMsg::Reset, None).await {
                         Ok(CallResult::Success(changes)) => Ok(changes),
                         _ => Err(Refused::Unavailable),
                     }
@@ -500,8 +630,10 @@ impl Actor for ShardActor {
             }
             #[cfg(test)]
             ShardMsg::FailTenant(tenant) => {
-                let active = state.tenant(&myself, &tenant).await?;
-                let _ = active.actor.cast(TenantMsg::Fail);
+                state.start_tenant(&myself, &tenant).await?;
+                if let Some(actor) = state.active(&tenant) {
+                    let _ = actor.cast(TenantMsg::Fail);
+                }
             }
         }
         Ok(())
@@ -519,7 +651,10 @@ impl Actor for ShardActor {
         // termination needs nothing.
         if let SupervisionEvent::ActorFailed(cell, err) = event {
             let failed = cell.get_id();
-            state.active.retain(|_, t| t.actor.get_id() != failed);
+            state
+                .running
+                .write()
+                .retain(|_, t| t.actor.get_id() != failed);
             state.restarts += 1;
             if state.config.on_tenant_failure == TenantFailure::Escalate {
                 tracing::error!(error = %err, "tenant actor failed; failing its shard to reload it");
@@ -535,9 +670,9 @@ impl Actor for ShardActor {
 fn absorb(state: &mut ShardState, tenants: Vec<TenantSnapshot>) {
     let now = state.config.clock.now_us();
     for snapshot in tenants {
-        if let Some(active) = state.active.get(snapshot.tenant.as_str()) {
+        if let Some(actor) = state.active(&snapshot.tenant) {
             if let Err(MessagingErr::SendErr(TenantMsg::Absorb(snapshot))) =
-                active.actor.cast(TenantMsg::Absorb(snapshot))
+                actor.cast(TenantMsg::Absorb(snapshot))
             {
                 tracing::warn!(tenant = %snapshot.tenant, "tenant stopping; state not absorbed");
             }
@@ -553,13 +688,22 @@ pub async fn spawn_shard(
     config: ShardConfig,
     tenants: Vec<TenantSnapshot>,
     supervisor: Option<ActorCell>,
-) -> Result<ActorRef<ShardMsg>, ractor::SpawnErr> {
-    let args = ShardArgs { config, tenants };
+) -> Result<ShardHandle, ractor::SpawnErr> {
+    let running = Arc::new(Running {
+        tenants: RwLock::new(HashMap::new()),
+        queue_limit: config.tenant_queue,
+        shed: AtomicU64::new(0),
+    });
+    let args = ShardArgs {
+        config,
+        tenants,
+        running: running.clone(),
+    };
     let (actor, _) = match supervisor {
         Some(sup) => Actor::spawn_linked(None, ShardActor, args, sup).await?,
         None => Actor::spawn(None, ShardActor, args).await?,
     };
-    Ok(actor)
+    Ok(ShardHandle { actor, running })
 }
 
 #[cfg(test)]
@@ -588,18 +732,17 @@ mod tests {
         }
     }
 
-    async fn send_hit(shard: &ActorRef<ShardMsg>, key: &str) -> Option<Reply<HitOutcome>> {
+    async fn send_hit(shard: &ShardHandle, key: &str) -> Option<Reply<HitOutcome>> {
         let (reply, rx) = tokio::sync::oneshot::channel();
-        let job = Job {
+        shard.send(Job {
             req: hit(key),
             deadline: None,
             reply: reply.into(),
-        };
-        shard.cast(ShardMsg::Hit(job)).ok()?;
+        });
         rx.await.ok()
     }
 
-    async fn shard_with(policy: TenantFailure) -> ActorRef<ShardMsg> {
+    async fn shard_with(policy: TenantFailure) -> ShardHandle {
         let config = ShardConfig {
             on_tenant_failure: policy,
             ..ShardConfig::new(Arc::new(ManualClock::new(1_000_000)))
@@ -611,9 +754,10 @@ mod tests {
     async fn a_failed_tenant_restarts_empty_by_default() {
         let shard = shard_with(TenantFailure::RestartEmpty).await;
         assert!(matches!(send_hit(&shard, "a").await, Some(Ok(_))));
-        shard.cast(ShardMsg::FailTenant("t".into())).expect("cast");
+        let actor = shard.actor();
+        actor.cast(ShardMsg::FailTenant("t".into())).expect("cast");
         tokio::time::sleep(Duration::from_millis(50)).await;
-        let stats = shard.call(ShardMsg::Stats, None).await.expect("call");
+        let stats = actor.call(ShardMsg::Stats, None).await.expect("call");
         assert!(matches!(stats, CallResult::Success(s) if s.restarts == 1));
         // Served again, from an empty state: the old claim is gone.
         let again = send_hit(&shard, "a").await;
@@ -633,12 +777,98 @@ mod tests {
     async fn a_failed_tenant_can_escalate_to_its_shard() {
         let shard = shard_with(TenantFailure::Escalate).await;
         assert!(matches!(send_hit(&shard, "a").await, Some(Ok(_))));
-        shard.cast(ShardMsg::FailTenant("t".into())).expect("cast");
+        shard
+            .actor()
+            .cast(ShardMsg::FailTenant("t".into()))
+            .expect("cast");
         tokio::time::sleep(Duration::from_millis(50)).await;
-        assert_eq!(shard.get_status(), ractor::ActorStatus::Stopped);
+        assert_eq!(shard.actor().get_status(), ractor::ActorStatus::Stopped);
+        let after = send_hit(&shard, "b").await;
         assert!(
-            send_hit(&shard, "b").await.is_none(),
-            "a failed shard takes no work"
+            matches!(after, Some(Err(Refused::Unavailable))),
+            "a failed shard takes no work: {after:?}"
+        );
+    }
+
+    /// Jobs go straight to running tenants while the shard retires them on its
+    /// tick: none may be lost, refused or applied to a tenant after it handed
+    /// its state back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn no_job_is_lost_to_a_tenant_retiring_under_it() {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let config = ShardConfig {
+            idle_after: Duration::from_micros(1),
+            ..ShardConfig::new(clock.clone())
+        };
+        let shard = spawn_shard(config, Vec::new(), None).await.expect("spawns");
+        const KEYS: usize = 2_000;
+        let mut answers = Vec::with_capacity(KEYS);
+        for i in 0..KEYS {
+            // A burst the bucket always takes: only the claims are at stake.
+            let mut req = hit(&format!("k{i}"));
+            req.charges[0].capacity_us = 1_000_000;
+            let (reply, rx) = tokio::sync::oneshot::channel();
+            shard.send(Job {
+                req,
+                deadline: None,
+                reply: reply.into(),
+            });
+            answers.push(rx);
+            if i % 7 == 0 {
+                // Every tenant is idle at once: each tick retires it.
+                clock.advance_us(1_000);
+                shard.actor().cast(ShardMsg::Tick).expect("tick");
+            }
+            if i % 50 == 0 {
+                tokio::task::yield_now().await;
+            }
+        }
+        for (i, rx) in answers.into_iter().enumerate() {
+            let answer = rx.await;
+            assert!(
+                matches!(
+                    answer,
+                    Ok(Ok(Applied {
+                        outcome: HitOutcome::Ok,
+                        ..
+                    }))
+                ),
+                "hit {i}: {answer:?}"
+            );
+        }
+        // Every claim survived the retirements: each key is held now.
+        for i in (0..KEYS).step_by(97) {
+            let mut req = hit(&format!("k{i}"));
+            req.charges[0].capacity_us = 1_000_000;
+            if let Some(claim) = req.claim.as_mut() {
+                claim.hook_id = "another".into();
+            }
+            let (reply, rx) = tokio::sync::oneshot::channel();
+            shard.send(Job {
+                req,
+                deadline: None,
+                reply: reply.into(),
+            });
+            let again = rx.await;
+            assert!(
+                matches!(
+                    again,
+                    Ok(Ok(Applied {
+                        outcome: HitOutcome::Pending { .. },
+                        ..
+                    }))
+                ),
+                "k{i} by another hook: {again:?}"
+            );
+        }
+        let stats = shard
+            .actor()
+            .call(ShardMsg::Stats, None)
+            .await
+            .expect("call");
+        assert!(
+            matches!(stats, CallResult::Success(s) if s.claims == KEYS && s.restarts == 0),
+            "{stats:?}"
         );
     }
 }

@@ -15,7 +15,10 @@ pub mod gcra;
 pub mod tenant;
 pub mod types;
 
-pub use actor::{spawn_shard, Refused, ShardConfig, ShardMsg, ShardStats, TenantFailure};
+pub use actor::{
+    spawn_shard, Refused, ShardConfig, ShardHandle, ShardMsg, ShardStats, TenantFailure,
+    TenantRequest,
+};
 pub use claims::ClaimRecord;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use tenant::{

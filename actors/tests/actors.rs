@@ -8,11 +8,10 @@ use std::time::{Duration, Instant};
 use ankusa_actors::actor::Job;
 use ankusa_actors::{
     spawn_shard, Applied, Changes, Charge, Claim, HitOutcome, HitRequest, InvalidRequest, Kind,
-    ManualClock, Refused, SettleOutcome, SettleRequest, Settlement, ShardConfig, ShardMsg,
-    ShardStats, TenantSnapshot,
+    ManualClock, Refused, SettleOutcome, SettleRequest, Settlement, ShardConfig, ShardHandle,
+    ShardMsg, ShardStats, TenantSnapshot,
 };
 use ractor::rpc::CallResult;
-use ractor::ActorRef;
 use tokio::sync::oneshot;
 
 const T0: u64 = 1_700_000_000_000_000;
@@ -61,67 +60,49 @@ fn charge_only(c: Charge) -> HitRequest {
 }
 
 async fn hit_by(
-    shard: &ActorRef<ShardMsg>,
+    shard: &ShardHandle,
     req: HitRequest,
     deadline: Option<Instant>,
 ) -> Result<Applied<HitOutcome>, Refused> {
-    match shard
-        .call(
-            |reply| {
-                ShardMsg::Hit(Job {
-                    req,
-                    deadline,
-                    reply,
-                })
-            },
-            None,
-        )
-        .await
-    {
-        Ok(CallResult::Success(reply)) => reply,
-        other => panic!("shard did not answer: {other:?}"),
-    }
+    let (reply, rx) = oneshot::channel();
+    shard.send(Job {
+        req,
+        deadline,
+        reply: reply.into(),
+    });
+    rx.await.expect("the shard answers every job")
 }
 
-async fn hit(shard: &ActorRef<ShardMsg>, req: HitRequest) -> HitOutcome {
+async fn hit(shard: &ShardHandle, req: HitRequest) -> HitOutcome {
     hit_by(shard, req, None).await.expect("hit refused").outcome
 }
 
 async fn settle_by(
-    shard: &ActorRef<ShardMsg>,
+    shard: &ShardHandle,
     claim: Claim,
     settlement: Settlement,
     deadline: Option<Instant>,
 ) -> Result<Applied<SettleOutcome>, Refused> {
-    let req = SettleRequest { claim, settlement };
-    match shard
-        .call(
-            |reply| {
-                ShardMsg::Settle(Job {
-                    req,
-                    deadline,
-                    reply,
-                })
-            },
-            None,
-        )
-        .await
-    {
-        Ok(CallResult::Success(reply)) => reply,
-        other => panic!("shard did not answer: {other:?}"),
-    }
+    let (reply, rx) = oneshot::channel();
+    shard.send(Job {
+        req: SettleRequest { claim, settlement },
+        deadline,
+        reply: reply.into(),
+    });
+    rx.await.expect("the shard answers every job")
 }
 
-async fn settle(shard: &ActorRef<ShardMsg>, claim: Claim, settlement: Settlement) -> SettleOutcome {
+async fn settle(shard: &ShardHandle, claim: Claim, settlement: Settlement) -> SettleOutcome {
     settle_by(shard, claim, settlement, None)
         .await
         .expect("settle refused")
         .outcome
 }
 
-async fn reset(shard: &ActorRef<ShardMsg>, tenant: &str) -> Result<Changes, Refused> {
+async fn reset(shard: &ShardHandle, tenant: &str) -> Result<Changes, Refused> {
     let tenant = tenant.to_string();
     match shard
+        .actor()
         .call(|reply| ShardMsg::Reset { tenant, reply }, None)
         .await
     {
@@ -130,15 +111,15 @@ async fn reset(shard: &ActorRef<ShardMsg>, tenant: &str) -> Result<Changes, Refu
     }
 }
 
-async fn stats(shard: &ActorRef<ShardMsg>) -> ShardStats {
-    match shard.call(ShardMsg::Stats, None).await {
+async fn stats(shard: &ShardHandle) -> ShardStats {
+    match shard.actor().call(ShardMsg::Stats, None).await {
         Ok(CallResult::Success(stats)) => stats,
         other => panic!("shard did not answer: {other:?}"),
     }
 }
 
-async fn export(shard: &ActorRef<ShardMsg>) -> Vec<TenantSnapshot> {
-    match shard.call(ShardMsg::Export, None).await {
+async fn export(shard: &ShardHandle) -> Vec<TenantSnapshot> {
+    match shard.actor().call(ShardMsg::Export, None).await {
         Ok(CallResult::Success(mut snaps)) => {
             snaps.sort_by(|a, b| a.tenant.cmp(&b.tenant));
             for snap in &mut snaps {
@@ -150,8 +131,8 @@ async fn export(shard: &ActorRef<ShardMsg>) -> Vec<TenantSnapshot> {
     }
 }
 
-fn tick(shard: &ActorRef<ShardMsg>) {
-    shard.cast(ShardMsg::Tick).expect("shard running");
+fn tick(shard: &ShardHandle) {
+    shard.actor().cast(ShardMsg::Tick).expect("shard running");
 }
 
 #[tokio::test]
@@ -444,13 +425,11 @@ async fn a_flooding_tenant_is_shed_while_its_neighbour_is_served() {
 
     let send = |req: HitRequest| {
         let (tx, rx) = oneshot::channel();
-        shard
-            .cast(ShardMsg::Hit(Job {
-                req,
-                deadline: None,
-                reply: tx.into(),
-            }))
-            .expect("shard running");
+        shard.send(Job {
+            req,
+            deadline: None,
+            reply: tx.into(),
+        });
         rx
     };
     let flooded: Vec<_> = (0..8).map(|_| send(flood())).collect();

@@ -1,8 +1,9 @@
 //! The node's side of the protocol for one shard: [`ShardResponder`] takes the
-//! requests on the shard's subject, hands them to its `ShardActor`, makes the
-//! changes durable and answers.
+//! requests on the shard's subject, hands them to the shard's actors (a running
+//! tenant's own, or the shard's, which starts it), makes the changes durable
+//! and answers.
 //!
-//! Requests are handed to the actor in the order they arrive (a cast, without
+//! Requests are handed to the actors in the order they arrive (a cast, without
 //! waiting), and only the wait for each answer runs concurrently, so one slow
 //! tenant never holds the subscription. Every payload gets an answer when it has
 //! a reply subject: an error reply for anything malformed, of an unknown version,
@@ -28,11 +29,10 @@ use std::sync::OnceLock;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use ankusa_actors::actor::{Job, ShardMsg};
-use ankusa_actors::{Changes, Refused};
+use ankusa_actors::actor::{Job, ShardHandle, ShardMsg};
+use ankusa_actors::{Changes, Refused, TenantRequest};
 use futures::future::{join_all, BoxFuture};
 use futures::{FutureExt, StreamExt};
-use ractor::ActorRef;
 use tokio::sync::{oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 
@@ -84,7 +84,7 @@ pub struct ShardContext {
     pub shard: u32,
     pub shards: u32,
     pub subject: String,
-    pub actor: ActorRef<ShardMsg>,
+    pub actors: ShardHandle,
     pub persistence: Persistence,
     /// `None`: always answer (standalone); `Some`: only while the lease is valid.
     pub window: Option<ServeWindow>,
@@ -617,28 +617,15 @@ fn dispatch(
     let shard = ctx.shard;
     let persistence = ctx.persistence.clone();
     match request.op {
-        Op::Hit(req) => {
-            let tenant = req.tenant().to_owned();
-            apply(ctx, tenant, req, deadline, ShardMsg::Hit, ReplyBody::Hit)
-        }
-        Op::Settle(req) => {
-            let tenant = req.claim.tenant.clone();
-            apply(
-                ctx,
-                tenant,
-                req,
-                deadline,
-                ShardMsg::Settle,
-                ReplyBody::Settle,
-            )
-        }
+        Op::Hit(req) => apply(ctx, req, deadline, ReplyBody::Hit),
+        Op::Settle(req) => apply(ctx, req, deadline, ReplyBody::Settle),
         Op::Reset { tenant } => {
             let (reply, rx) = oneshot::channel();
             let msg = ShardMsg::Reset {
                 tenant: tenant.clone(),
                 reply: reply.into(),
             };
-            if ctx.actor.cast(msg).is_err() {
+            if ctx.actors.actor().cast(msg).is_err() {
                 return ready(unavailable("shard actor is not running"));
             }
             async move {
@@ -666,25 +653,21 @@ fn dispatch(
     }
 }
 
-/// Hands a hit or settle to the shard actor; the future answers its outcome once
-/// the changes it made are persisted.
-fn apply<Req: Send + 'static, Out: Send + 'static>(
+/// Hands a hit or settle to its tenant's actor; the future answers its outcome
+/// once the changes it made are persisted.
+fn apply<R: TenantRequest>(
     ctx: &ShardContext,
-    tenant: String,
-    req: Req,
+    req: R,
     deadline: Option<Instant>,
-    message: fn(Job<Req, Out>) -> ShardMsg,
-    body: fn(Out) -> ReplyBody,
+    body: fn(R::Outcome) -> ReplyBody,
 ) -> BoxFuture<'static, ReplyBody> {
+    let tenant = req.tenant_name().to_owned();
     let (reply, rx) = oneshot::channel();
-    let job = Job {
+    ctx.actors.send(Job {
         req,
         deadline,
         reply: reply.into(),
-    };
-    if ctx.actor.cast(message(job)).is_err() {
-        return ready(unavailable("shard actor is not running"));
-    }
+    });
     let (shard, persistence) = (ctx.shard, ctx.persistence.clone());
     async move {
         match rx.await {

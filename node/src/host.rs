@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use ankusa_actors::actor::{spawn_shard, ShardConfig, ShardMsg, ShardStats};
+use ankusa_actors::actor::{spawn_shard, ShardConfig, ShardHandle, ShardMsg, ShardStats};
 use ankusa_actors::TenantSnapshot;
 use ankusa_bus::persist::Persistence;
 use ankusa_bus::responder::{
@@ -17,7 +17,7 @@ use ankusa_bus::responder::{
 };
 use ankusa_bus::Subjects;
 use ractor::rpc::CallResult;
-use ractor::{ActorRef, ActorStatus};
+use ractor::ActorStatus;
 
 /// Why a shard could not be started.
 #[derive(Debug, thiserror::Error)]
@@ -31,7 +31,7 @@ pub enum HostError {
 }
 
 struct Served {
-    actor: ActorRef<ShardMsg>,
+    actors: ShardHandle,
     responder: ShardResponder,
 }
 
@@ -127,7 +127,7 @@ impl ShardHost {
             return Ok(());
         }
         self.start_node_subject().await?;
-        let actor = spawn_shard(self.shard_config.clone(), tenants, None)
+        let actors = spawn_shard(self.shard_config.clone(), tenants, None)
             .await
             .map_err(|e| HostError::Actor {
                 shard,
@@ -137,19 +137,19 @@ impl ShardHost {
             shard,
             shards: self.shards,
             subject: self.subjects.shard(shard),
-            actor: actor.clone(),
+            actors: actors.clone(),
             persistence: self.persistence.clone(),
             window,
             routing: self.routing.clone(),
         };
         match ShardResponder::start(self.client.clone(), ctx).await {
             Ok(responder) => {
-                self.served.insert(shard, Served { actor, responder });
+                self.served.insert(shard, Served { actors, responder });
                 metrics::gauge!("ankusa_shards_owned").set(self.served.len() as f64);
                 Ok(())
             }
             Err(e) => {
-                actor.stop(None);
+                actors.actor().stop(None);
                 Err(HostError::Subscribe {
                     shard,
                     reason: e.to_string(),
@@ -164,14 +164,15 @@ impl ShardHost {
         metrics::gauge!("ankusa_shards_owned").set(self.served.len() as f64);
         served.responder.stop(RELEASE_GRACE).await;
         let state = match served
-            .actor
+            .actors
+            .actor()
             .call(ShardMsg::Export, Some(EXPORT_TIMEOUT))
             .await
         {
             Ok(CallResult::Success(state)) => state,
             _ => Vec::new(),
         };
-        served.actor.stop(None);
+        served.actors.actor().stop(None);
         Some(state)
     }
 
@@ -193,7 +194,7 @@ impl ShardHost {
             .iter()
             .filter(|(_, s)| {
                 matches!(
-                    s.actor.get_status(),
+                    s.actors.actor().get_status(),
                     ActorStatus::Stopping | ActorStatus::Stopped
                 )
             })
@@ -204,7 +205,7 @@ impl ShardHost {
     /// Sends each shard its periodic tick (retire idle tenants, sweep claims).
     pub fn tick(&self) {
         for served in self.served.values() {
-            let _ = served.actor.cast(ShardMsg::Tick);
+            let _ = served.actors.actor().cast(ShardMsg::Tick);
         }
     }
 
@@ -213,7 +214,8 @@ impl ShardHost {
         let mut total = ShardStats::default();
         for served in self.served.values() {
             if let Ok(CallResult::Success(s)) = served
-                .actor
+                .actors
+                .actor()
                 .call(ShardMsg::Stats, Some(Duration::from_secs(1)))
                 .await
             {
