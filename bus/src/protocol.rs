@@ -1,5 +1,8 @@
 //! The wire protocol: what an edge sends to a shard's subject and what it gets
-//! back, in MessagePack (maps with named fields, `rmp_serde::to_vec_named`).
+//! back, in MessagePack. Replies are maps with named fields
+//! (`rmp_serde::to_vec_named`); requests are either that or the compact form,
+//! each record an array of its fields in order (`rmp_serde::to_vec`), which
+//! this crate's edge sends: half the bytes, and a third less to decode.
 //!
 //! `docs/protocol.md` is the language-neutral spec of this module; the test
 //! vectors there are checked against it. Decoding never panics: every way a
@@ -198,6 +201,17 @@ struct Envelope {
     v: u64,
 }
 
+/// The `v` of a frame that did not decode: its `v` key in the named form, or
+/// its first element in the compact one.
+fn frame_version(payload: &[u8]) -> Option<u64> {
+    if let Ok(env) = rmp_serde::from_slice::<Envelope>(payload) {
+        return Some(env.v);
+    }
+    let mut rest = payload;
+    rmp::decode::read_array_len(&mut rest).ok()?;
+    rmp::decode::read_int(&mut rest).ok()
+}
+
 impl Op {
     /// The operation's wire name, for logs and metrics.
     pub fn name(&self) -> &'static str {
@@ -219,13 +233,20 @@ impl Request {
         }
     }
 
+    /// The request with its records as named maps, the canonical form.
     pub fn encode(&self) -> Vec<u8> {
         encode(self)
     }
 
-    /// The bytes of `Request::new(timeout_ms, op.clone())`, without the clone.
+    /// The request with its records as arrays of their fields in order.
+    pub fn encode_compact(&self) -> Vec<u8> {
+        encode_compact(self)
+    }
+
+    /// The bytes of `Request::new(timeout_ms, op.clone()).encode_compact()`,
+    /// without the clone.
     pub fn encode_op(timeout_ms: u64, op: &Op) -> Vec<u8> {
-        encode(&RequestRef {
+        encode_compact(&RequestRef {
             v: VERSION,
             timeout_ms,
             op,
@@ -233,8 +254,9 @@ impl Request {
     }
 
     /// The bytes of a batch of `(timeout_ms, op)` items, as
-    /// `Request::new(timeout_ms, Op::Batch(..))` would encode them, without
-    /// cloning the operations: an edge keeps each call's own to send it again.
+    /// `Request::new(timeout_ms, Op::Batch(..)).encode_compact()` would write
+    /// them, without cloning the operations: an edge keeps each call's own to
+    /// send it again.
     pub fn encode_batch<'a>(
         timeout_ms: u64,
         items: impl IntoIterator<Item = (u64, &'a Op)>,
@@ -247,7 +269,7 @@ impl Request {
                 op,
             })
             .collect();
-        encode(&BatchRef {
+        encode_compact(&BatchRef {
             v: VERSION,
             timeout_ms,
             op: BatchOpRef::Batch(items),
@@ -276,9 +298,9 @@ impl Request {
                 Ok(req)
             }
             Ok(req) => Err(DecodeError::UnsupportedVersion { got: req.v.into() }),
-            Err(err) => match rmp_serde::from_slice::<Envelope>(payload) {
-                Ok(env) if !SUPPORTED_VERSIONS.iter().any(|&v| u64::from(v) == env.v) => {
-                    Err(DecodeError::UnsupportedVersion { got: env.v })
+            Err(err) => match frame_version(payload) {
+                Some(v) if !SUPPORTED_VERSIONS.iter().any(|&s| u64::from(s) == v) => {
+                    Err(DecodeError::UnsupportedVersion { got: v })
                 }
                 _ => Err(DecodeError::Malformed(err.to_string())),
             },
@@ -466,10 +488,16 @@ fn check_frame(payload: &[u8]) -> Result<(), DecodeError> {
     Ok(())
 }
 
+// Serializing these plain data types into a Vec cannot fail: no maps with
+// non-string keys, no sequences of unknown length.
 fn encode<T: Serialize>(value: &T) -> Vec<u8> {
-    // Serializing these plain data types into a Vec cannot fail: no maps with
-    // non-string keys, no sequences of unknown length.
     rmp_serde::to_vec_named(value).unwrap_or_default()
+}
+
+/// Only for requests: their records have no field that may be left out, so
+/// every array has all its fields and a field's place says which it is.
+fn encode_compact<T: Serialize>(value: &T) -> Vec<u8> {
+    rmp_serde::to_vec(value).unwrap_or_default()
 }
 
 #[cfg(test)]

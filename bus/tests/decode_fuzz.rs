@@ -269,6 +269,7 @@ fn reply() -> impl Strategy<Value = Reply> {
 fn frame() -> impl Strategy<Value = Vec<u8>> {
     prop_oneof![
         request().prop_map(|r| r.encode()),
+        request().prop_map(|r| r.encode_compact()),
         reply().prop_map(|r| r.encode()),
     ]
 }
@@ -376,6 +377,16 @@ proptest! {
     fn valid_requests_round_trip_and_validate(req in request()) {
         let bytes = req.encode();
         prop_assert_eq!(Request::decode(&bytes), Ok(req.clone()));
+        // The compact form is the same request in fewer bytes.
+        let compact = req.encode_compact();
+        prop_assert_eq!(Request::decode(&compact), Ok(req.clone()));
+        prop_assert!(compact.len() < bytes.len());
+        if let Op::Batch(items) = &req.op {
+            let edge = Request::encode_batch(req.timeout_ms, items.iter().map(|r| (r.timeout_ms, &r.op)));
+            prop_assert_eq!(&edge, &compact);
+        } else {
+            prop_assert_eq!(&Request::encode_op(req.timeout_ms, &req.op), &compact);
+        }
         // The strategy stays within every limit, so the rules must accept it.
         prop_assert_eq!(req.validate(), Ok(()));
         prop_assert_eq!(&req.tenant().is_some(), &!matches!(req.op, Op::Batch(_)));
@@ -443,6 +454,11 @@ proptest! {
         #[derive(Serialize)]
         struct Future { v: u64, shiny: Vec<u8> }
         let bytes = rmp_serde::to_vec_named(&Future { v, shiny: vec![1, 2] }).unwrap();
+        prop_assert_eq!(Request::decode(&bytes), Err(DecodeError::UnsupportedVersion { got: v }));
+        // The same in the compact form, where `v` is the first element.
+        let bytes = rmp_serde::to_vec(&AnyVersion { v, timeout_ms: req.timeout_ms, op: &req.op }).unwrap();
+        prop_assert_eq!(Request::decode(&bytes), Err(DecodeError::UnsupportedVersion { got: v }));
+        let bytes = rmp_serde::to_vec(&Future { v, shiny: vec![1, 2] }).unwrap();
         prop_assert_eq!(Request::decode(&bytes), Err(DecodeError::UnsupportedVersion { got: v }));
         let refused = ErrorReply::from(DecodeError::UnsupportedVersion { got: v });
         prop_assert_eq!(refused.code, ErrorCode::UnsupportedVersion);

@@ -31,6 +31,8 @@ const DOC: &str = include_str!("../../docs/protocol.md");
 #[derive(Debug, Clone, PartialEq)]
 enum Frame {
     Request(Request),
+    /// A request in the compact form (its records as arrays).
+    CompactRequest(Request),
     Reply(Reply),
 }
 
@@ -38,6 +40,7 @@ impl Frame {
     fn encode(&self) -> Vec<u8> {
         match self {
             Frame::Request(r) => r.encode(),
+            Frame::CompactRequest(r) => r.encode_compact(),
             Frame::Reply(r) => r.encode(),
         }
     }
@@ -46,6 +49,7 @@ impl Frame {
     fn decode_like(&self, bytes: &[u8]) -> Result<Frame, DecodeError> {
         match self {
             Frame::Request(_) => Request::decode(bytes).map(Frame::Request),
+            Frame::CompactRequest(_) => Request::decode(bytes).map(Frame::CompactRequest),
             Frame::Reply(_) => Reply::decode(bytes).map(Frame::Reply),
         }
     }
@@ -125,6 +129,16 @@ fn expected() -> BTreeMap<&'static str, Frame> {
                 }),
             )),
         ),
+        (
+            "request-hit-claim-compact",
+            Frame::CompactRequest(Request::new(
+                250,
+                Op::Hit(HitRequest {
+                    charges: charges(),
+                    claim: Some(claim()),
+                }),
+            )),
+        ),
         ("request-hit-no-claim", Frame::Request(hit_no_claim(250))),
         ("request-settle-commit", settle(Settlement::Commit)),
         ("request-settle-release", settle(Settlement::Release)),
@@ -132,6 +146,13 @@ fn expected() -> BTreeMap<&'static str, Frame> {
         (
             "request-batch",
             Frame::Request(Request::new(
+                250,
+                Op::Batch(vec![hit_no_claim(240), reset(240)]),
+            )),
+        ),
+        (
+            "request-batch-compact",
+            Frame::CompactRequest(Request::new(
                 250,
                 Op::Batch(vec![hit_no_claim(240), reset(240)]),
             )),

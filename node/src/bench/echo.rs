@@ -135,7 +135,8 @@ impl EchoStore {
             return Err(StoreError::Disconnected);
         }
         let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
-        let payload = Bytes::from(Request::new(timeout_ms, op).encode());
+        // The bytes the fleet's edge client sends for the same call.
+        let payload = Bytes::from(Request::encode_op(timeout_ms, &op));
         let sent = self.client.request(subject.to_string(), payload);
         let msg = match tokio::time::timeout(timeout, sent).await {
             Err(_) => return Err(StoreError::Timeout(timeout)),
