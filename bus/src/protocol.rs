@@ -565,7 +565,7 @@ mod tests {
         let hit = hit().op;
         assert_eq!(
             Request::encode_op(7, &hit),
-            Request::new(7, hit.clone()).encode()
+            Request::new(7, hit.clone()).encode_compact()
         );
         let owned = Request::new(
             100,
@@ -576,7 +576,7 @@ mod tests {
         );
         assert_eq!(
             Request::encode_batch(100, [(250, &hit), (5, &reset)]),
-            owned.encode()
+            owned.encode_compact()
         );
     }
 

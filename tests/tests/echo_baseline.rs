@@ -88,7 +88,7 @@ async fn the_store_sends_the_fleet_clients_bytes() {
     let store = EchoStore::new(client, "bench.raw");
     assert_eq!(store.hit(hit(), BUDGET).await, Ok(HitOutcome::Ok));
     let payload = seen.await.expect("responder task");
-    let expected = Request::new(BUDGET.as_millis() as u64, Op::Hit(hit())).encode();
+    let expected = Request::new(BUDGET.as_millis() as u64, Op::Hit(hit())).encode_compact();
     assert_eq!(payload, expected);
 }
 

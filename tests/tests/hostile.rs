@@ -263,10 +263,11 @@ impl Corpus {
                 req.v = 2;
                 self.shot(req.encode(), Expect::Code(UnsupportedVersion))
             }
+            // The same in the compact form, where `v` is the first element.
             17 => {
                 let mut req = Request::new(100, hit_op);
                 req.v = u32::MAX;
-                self.shot(req.encode(), Expect::Code(UnsupportedVersion))
+                self.shot(req.encode_compact(), Expect::Code(UnsupportedVersion))
             }
             18 => self.shot(
                 Self::named(&FutureShape {
@@ -286,7 +287,10 @@ impl Corpus {
                 Request::new(0, hit_op).encode(),
                 Expect::Code(DeadlineExpired),
             ),
-            21 => self.shot(Request::new(1, hit_op).encode(), Expect::HitOrExpired),
+            21 => self.shot(
+                Request::new(1, hit_op).encode_compact(),
+                Expect::HitOrExpired,
+            ),
             22 => {
                 // A batch of 1 ms items for one tenant: the later items wait behind
                 // the earlier ones, so some expire before they start. (Not a full
