@@ -84,6 +84,16 @@ fn claim() -> Claim {
     }
 }
 
+fn hit_claim(timeout_ms: u64) -> Request {
+    Request::new(
+        timeout_ms,
+        Op::Hit(HitRequest {
+            charges: charges(),
+            claim: Some(claim()),
+        }),
+    )
+}
+
 fn hit_no_claim(timeout_ms: u64) -> Request {
     Request::new(
         timeout_ms,
@@ -92,6 +102,10 @@ fn hit_no_claim(timeout_ms: u64) -> Request {
             claim: None,
         }),
     )
+}
+
+fn batch() -> Request {
+    Request::new(250, Op::Batch(vec![hit_no_claim(240), reset(240)]))
 }
 
 fn reset(timeout_ms: u64) -> Request {
@@ -119,44 +133,17 @@ fn expected() -> BTreeMap<&'static str, Frame> {
         ))
     };
     BTreeMap::from([
-        (
-            "request-hit-claim",
-            Frame::Request(Request::new(
-                250,
-                Op::Hit(HitRequest {
-                    charges: charges(),
-                    claim: Some(claim()),
-                }),
-            )),
-        ),
+        ("request-hit-claim", Frame::Request(hit_claim(250))),
         (
             "request-hit-claim-compact",
-            Frame::CompactRequest(Request::new(
-                250,
-                Op::Hit(HitRequest {
-                    charges: charges(),
-                    claim: Some(claim()),
-                }),
-            )),
+            Frame::CompactRequest(hit_claim(250)),
         ),
         ("request-hit-no-claim", Frame::Request(hit_no_claim(250))),
         ("request-settle-commit", settle(Settlement::Commit)),
         ("request-settle-release", settle(Settlement::Release)),
         ("request-reset", Frame::Request(reset(1000))),
-        (
-            "request-batch",
-            Frame::Request(Request::new(
-                250,
-                Op::Batch(vec![hit_no_claim(240), reset(240)]),
-            )),
-        ),
-        (
-            "request-batch-compact",
-            Frame::CompactRequest(Request::new(
-                250,
-                Op::Batch(vec![hit_no_claim(240), reset(240)]),
-            )),
-        ),
+        ("request-batch", Frame::Request(batch())),
+        ("request-batch-compact", Frame::CompactRequest(batch())),
         ("reply-hit-ok", reply(ReplyBody::Hit(HitOutcome::Ok))),
         (
             "reply-hit-duplicate",
