@@ -265,7 +265,9 @@ impl Actor for TenantActor {
 /// A request a tenant's actor applies: a hit or a settle.
 pub trait TenantRequest: Sized + Send + 'static {
     type Outcome: Send + 'static;
+    /// The tenant whose actor applies it (the routing key).
     fn tenant_name(&self) -> &str;
+    /// Its own `validate`.
     fn check(&self) -> Result<(), InvalidRequest>;
     fn to_tenant(job: Job<Self, Self::Outcome>) -> TenantMsg;
     /// The job back from a message its tenant's actor did not take.
