@@ -488,20 +488,15 @@ impl ShardState {
     async fn tick(&mut self) {
         let now = self.config.clock.now_us();
         let idle_us = self.config.idle_after.as_micros() as u64;
-        let quiet: Vec<(Box<str>, ActorRef<TenantMsg>)> = {
-            let mut running = self.running.write();
-            let names: Vec<Box<str>> = running
-                .iter()
-                .filter(|(_, t)| {
-                    now.saturating_sub(t.gauges.last_active_us.load(Ordering::Relaxed)) >= idle_us
-                })
-                .map(|(name, _)| name.clone())
-                .collect();
-            names
-                .into_iter()
-                .filter_map(|name| running.remove(&name).map(|t| (name, t.actor)))
-                .collect()
-        };
+        let mut quiet: Vec<(Box<str>, ActorRef<TenantMsg>)> = Vec::new();
+        self.running.write().retain(|name, t| {
+            let idle =
+                now.saturating_sub(t.gauges.last_active_us.load(Ordering::Relaxed)) >= idle_us;
+            if idle {
+                quiet.push((name.clone(), t.actor.clone()));
+            }
+            !idle
+        });
         for (name, actor) in quiet {
             // FIFO mailbox: Retire runs after every job already routed to it, and no
             // new job can be routed to it once it left the map.

@@ -490,7 +490,7 @@ impl FleetKv {
         let mut consumer = load_step(consumer).await?;
         let info = load_step(consumer.info()).await?;
         let mut state = Replay::new(shards.iter().copied());
-        // The server would reap the consumer once idle; until then it filters every
+        // The server would reap the consumer once idle; until then it is sent every
         // write to the stream, so it goes as soon as the load is done.
         let mut reader = info.name.clone();
         if info.num_pending == 0 {

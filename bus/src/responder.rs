@@ -614,8 +614,6 @@ fn dispatch(
         }
     }
     let deadline = Some(received + Duration::from_millis(request.timeout_ms));
-    let shard = ctx.shard;
-    let persistence = ctx.persistence.clone();
     match request.op {
         Op::Hit(req) => apply(ctx, req, deadline, ReplyBody::Hit),
         Op::Settle(req) => apply(ctx, req, deadline, ReplyBody::Settle),
@@ -628,6 +626,7 @@ fn dispatch(
             if ctx.actors.actor().cast(msg).is_err() {
                 return ready(unavailable("shard actor is not running"));
             }
+            let (shard, persistence) = (ctx.shard, ctx.persistence.clone());
             async move {
                 match rx.await {
                     Ok(Ok(changes)) => persisted(&persistence, shard, &tenant, &changes)

@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use ankusa_actors::actor::{spawn_shard, ShardConfig, ShardHandle, ShardMsg, ShardStats};
+use ankusa_actors::actor::{spawn_shard, ShardConfig, ShardMsg, ShardStats};
 use ankusa_actors::TenantSnapshot;
 use ankusa_bus::persist::Persistence;
 use ankusa_bus::responder::{
@@ -17,7 +17,7 @@ use ankusa_bus::responder::{
 };
 use ankusa_bus::Subjects;
 use ractor::rpc::CallResult;
-use ractor::ActorStatus;
+use ractor::{ActorRef, ActorStatus};
 
 /// Why a shard could not be started.
 #[derive(Debug, thiserror::Error)]
@@ -31,7 +31,7 @@ pub enum HostError {
 }
 
 struct Served {
-    actors: ShardHandle,
+    actor: ActorRef<ShardMsg>,
     responder: ShardResponder,
 }
 
@@ -133,23 +133,26 @@ impl ShardHost {
                 shard,
                 reason: e.to_string(),
             })?;
+        // The responder hands hits and settles to the tenants; the host only
+        // talks to the shard's actor.
+        let actor = actors.actor().clone();
         let ctx = ShardContext {
             shard,
             shards: self.shards,
             subject: self.subjects.shard(shard),
-            actors: actors.clone(),
+            actors,
             persistence: self.persistence.clone(),
             window,
             routing: self.routing.clone(),
         };
         match ShardResponder::start(self.client.clone(), ctx).await {
             Ok(responder) => {
-                self.served.insert(shard, Served { actors, responder });
+                self.served.insert(shard, Served { actor, responder });
                 metrics::gauge!("ankusa_shards_owned").set(self.served.len() as f64);
                 Ok(())
             }
             Err(e) => {
-                actors.actor().stop(None);
+                actor.stop(None);
                 Err(HostError::Subscribe {
                     shard,
                     reason: e.to_string(),
@@ -164,15 +167,14 @@ impl ShardHost {
         metrics::gauge!("ankusa_shards_owned").set(self.served.len() as f64);
         served.responder.stop(RELEASE_GRACE).await;
         let state = match served
-            .actors
-            .actor()
+            .actor
             .call(ShardMsg::Export, Some(EXPORT_TIMEOUT))
             .await
         {
             Ok(CallResult::Success(state)) => state,
             _ => Vec::new(),
         };
-        served.actors.actor().stop(None);
+        served.actor.stop(None);
         Some(state)
     }
 
@@ -194,7 +196,7 @@ impl ShardHost {
             .iter()
             .filter(|(_, s)| {
                 matches!(
-                    s.actors.actor().get_status(),
+                    s.actor.get_status(),
                     ActorStatus::Stopping | ActorStatus::Stopped
                 )
             })
@@ -205,7 +207,7 @@ impl ShardHost {
     /// Sends each shard its periodic tick (retire idle tenants, sweep claims).
     pub fn tick(&self) {
         for served in self.served.values() {
-            let _ = served.actors.actor().cast(ShardMsg::Tick);
+            let _ = served.actor.cast(ShardMsg::Tick);
         }
     }
 
@@ -214,8 +216,7 @@ impl ShardHost {
         let mut total = ShardStats::default();
         for served in self.served.values() {
             if let Ok(CallResult::Success(s)) = served
-                .actors
-                .actor()
+                .actor
                 .call(ShardMsg::Stats, Some(Duration::from_secs(1)))
                 .await
             {
