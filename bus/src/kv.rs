@@ -261,13 +261,16 @@ impl FleetKv {
         let state_bucket = format!("ankusa_{instance}_state");
         let leases_bucket = format!("ankusa_{instance}_leases");
         let nodes_bucket = format!("ankusa_{instance}_nodes");
-        open_bucket(
+        let state = open_bucket(
             &js,
             &state_bucket,
             create,
             "ankusa-fleet claims and bucket TATs",
         )
         .await?;
+        if create.is_some() {
+            drop_expiry_markers(&js, &state).await;
+        }
         let leases = open_bucket(&js, &leases_bucket, create, "ankusa-fleet shard leases").await?;
         let nodes = open_bucket(&js, &nodes_bucket, create, "ankusa-fleet node heartbeats").await?;
         Ok(Self {
@@ -594,6 +597,33 @@ async fn open_bucket(
     };
     check_replicas(&store, replicas);
     Ok(store)
+}
+
+/// Stops JetStream leaving a marker for every state message it expires.
+///
+/// A bucket gets per-message TTLs only with limit markers on (async-nats ties
+/// the two), and then every expired message costs a second write, the marker,
+/// and a second expiry a second later: as many stored messages again as the
+/// claim log itself, in a loop nats-server runs while serving (session 22 in
+/// docs/benchmarks.md). Nobody watches the state bucket and the load skips
+/// markers, so they tell no one anything. The heartbeats keep theirs: the
+/// nodes' watch learns of a dead node from its marker.
+///
+/// Best effort: a bucket that keeps its markers is slower, not wrong.
+async fn drop_expiry_markers(js: &jetstream::Context, store: &kv::Store) {
+    let mut config = store.stream.cached_info().config.clone();
+    if config.subject_delete_marker_ttl.is_none() {
+        return;
+    }
+    config.subject_delete_marker_ttl = None;
+    if let Err(err) = js.update_stream(&config).await {
+        tracing::warn!(
+            bucket = %store.name,
+            error = %err,
+            "could not turn off the state bucket's expiry markers; it works as it is, \
+             with a second stored message for every expired one",
+        );
+    }
 }
 
 fn open_error(bucket: &str, err: impl std::fmt::Display) -> KvError {

@@ -633,6 +633,63 @@ async fn a_node_says_when_its_buckets_have_fewer_replicas_than_configured() {
     );
 }
 
+/// The state bucket expires its messages without leaving a marker for each
+/// (a second stored message and a second expiry), also when a release that
+/// left them created it; the heartbeats keep theirs, which the nodes' watch
+/// learns of a dead node from.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_state_bucket_expires_its_messages_without_markers() {
+    use async_nats::jetstream::{self, kv};
+    let nats = NatsServer::start().await.expect("nats");
+    let js = jetstream::new(nats.connect().await.expect("connect"));
+    // As releases before session 22 created it.
+    js.create_key_value(kv::Config {
+        bucket: "ankusa_test_state".into(),
+        history: 1,
+        limit_markers: Some(Duration::from_secs(1)),
+        ..Default::default()
+    })
+    .await
+    .expect("state bucket with markers");
+    let _kv = kv(&nats).await;
+    let marker_ttl = |stream: &str| {
+        let js = js.clone();
+        let stream = stream.to_string();
+        async move {
+            let mut stream = js.get_stream(stream).await.expect("stream");
+            let config = stream.info().await.expect("stream info").config.clone();
+            (config.allow_message_ttl, config.subject_delete_marker_ttl)
+        }
+    };
+    assert_eq!(marker_ttl("KV_ankusa_test_state").await, (true, None));
+    assert_eq!(
+        marker_ttl("KV_ankusa_test_nodes").await,
+        (true, Some(Duration::from_secs(1)))
+    );
+
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(async_nats::header::NATS_MESSAGE_TTL, "1");
+    js.publish_with_headers("$KV.ankusa_test_state.m.gone.1", headers, "x".into())
+        .await
+        .expect("publish")
+        .await
+        .expect("ack");
+    let mut stream = js.get_stream("KV_ankusa_test_state").await.expect("stream");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let state = loop {
+        let state = stream.info().await.expect("stream info").state.clone();
+        if state.messages == 0 || Instant::now() > deadline {
+            break state;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(state.messages, 0, "the message expired");
+    // A marker would have been stored as the stream's second message.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let state = stream.info().await.expect("stream info").state.clone();
+    assert_eq!(state.last_sequence, 1, "no marker was stored: {state:?}");
+}
+
 /// A node told to stop while its NATS server is gone still exits in bounded
 /// time. Every KV call would time out, one shard after another (16 × the lease
 /// TTL here), in the round that is running and in the leave; so the stop does
