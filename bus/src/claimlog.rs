@@ -20,10 +20,15 @@
 //! Any message may hold any shard's changes, so a load reads every message of
 //! the bucket and keeps its shards' (see `FleetKv::load_shards`).
 //!
-//! The payload is a MessagePack array of [`LoggedChange`] maps: `{"tenant": ..,
-//! "shard": .., "change": {"Put": ClaimRecord} | {"Delete": {..}}}` for a claim
-//! change, `{"tenant": .., "shard": .., "buckets": [BucketRecord, ..]}` for the
-//! bucket TATs a node writes behind (a TAT of 0 is a reset).
+//! The payload is a MessagePack array of [`LoggedChange`] records, each an
+//! array of its fields in order (the compact form of `docs/protocol.md` §3):
+//! `[tenant, shard, {"Put": ClaimRecord} | {"Delete": [..]}, []]` for a claim
+//! change, `[tenant, shard, nil, [BucketRecord, ..]]` for the bucket TATs a
+//! node writes behind (a TAT of 0 is a reset); a `ClaimRecord` is
+//! `[source_id, key, hook_id, node, committed, expires_us]`. It is half the
+//! bytes of the map form, which releases before session 22 wrote and every
+//! release reads; those releases read this form too, as serde's derived
+//! decoders read a record sent as an array of its fields.
 //!
 //! [`Replay`] applies the logs' messages in stream order to rebuild the claims
 //! and buckets of the shards being loaded, skipping the other shards' changes.
@@ -74,9 +79,11 @@ pub const RESET_KEEP_US: u64 = 24 * 3600 * 1_000_000;
 pub struct LoggedChange {
     pub tenant: String,
     pub shard: u32,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    // Written always, for the array form is read by position; absent only
+    // from the map form of earlier releases.
+    #[serde(default)]
     pub change: Option<ClaimChange>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(default)]
     pub buckets: Vec<BucketRecord>,
 }
 
@@ -86,9 +93,7 @@ pub struct LoggedChange {
 struct LoggedChangeRef<'a> {
     tenant: &'a str,
     shard: u32,
-    #[serde(skip_serializing_if = "Option::is_none")]
     change: Option<&'a ClaimChange>,
-    #[serde(skip_serializing_if = "<[BucketRecord]>::is_empty")]
     buckets: &'a [BucketRecord],
 }
 
@@ -142,7 +147,7 @@ impl EncodedChange {
 
     fn encode(entry: &LoggedChangeRef<'_>, keep_until_us: u64) -> Self {
         Self {
-            bytes: rmp_serde::to_vec_named(entry).unwrap_or_default(),
+            bytes: rmp_serde::to_vec(entry).unwrap_or_default(),
             keep_until_us,
         }
     }
@@ -544,9 +549,79 @@ mod tests {
                 buckets: Vec::new(),
             })
             .collect();
-        assert_eq!(
-            framed.as_ref(),
-            rmp_serde::to_vec_named(&owned).expect("encodes")
+        assert_eq!(framed.as_ref(), rmp_serde::to_vec(&owned).expect("encodes"));
+    }
+
+    /// The map form, as releases before session 22 wrote it (fields without
+    /// a value left out), replays as the compact form does.
+    #[test]
+    fn the_map_form_of_earlier_releases_replays_like_the_compact_form() {
+        #[derive(Serialize)]
+        struct Earlier<'a> {
+            tenant: &'a str,
+            shard: u32,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            change: Option<&'a ClaimChange>,
+            #[serde(skip_serializing_if = "<[BucketRecord]>::is_empty")]
+            buckets: &'a [BucketRecord],
+        }
+        let committed = put("a", "h1", true, NOW + 5_000_000);
+        let released = put("b", "h2", false, NOW + 5_000_000);
+        let buckets = [BucketRecord {
+            kind: Kind::Hooks,
+            tat_us: NOW + 7,
+        }];
+        let earlier = [
+            Earlier {
+                tenant: "t",
+                shard: 1,
+                change: Some(&committed),
+                buckets: &[],
+            },
+            Earlier {
+                tenant: "t",
+                shard: 1,
+                change: Some(&released),
+                buckets: &[],
+            },
+            Earlier {
+                tenant: "t",
+                shard: 1,
+                change: Some(&delete("b", "h2")),
+                buckets: &[],
+            },
+            Earlier {
+                tenant: "t",
+                shard: 1,
+                change: None,
+                buckets: &buckets,
+            },
+        ];
+        let compact = [
+            EncodedChange::claim(1, "t", &committed),
+            EncodedChange::claim(1, "t", &released),
+            EncodedChange::claim(1, "t", &delete("b", "h2")),
+            EncodedChange::buckets(1, "t", &buckets, NOW),
+        ];
+        let named = rmp_serde::to_vec_named(&earlier).expect("encodes");
+        let framed = frame(compact.iter().map(|e| e.bytes.as_slice()));
+        assert!(
+            framed.len() < named.len() * 2 / 3,
+            "{} against {}",
+            framed.len(),
+            named.len()
         );
+        let replayed = |payload: &[u8]| {
+            let mut replay = Replay::new([1]);
+            replay
+                .apply_message("m.w.1", payload, NOW)
+                .expect("replays");
+            replay.finish(NOW)
+        };
+        let from_named = replayed(&named);
+        assert_eq!(from_named, replayed(&framed));
+        let snapshot = &from_named[&1][0];
+        assert_eq!(snapshot.claims.len(), 1, "{snapshot:?}");
+        assert_eq!(snapshot.buckets, buckets.to_vec());
     }
 }
