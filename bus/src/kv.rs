@@ -261,18 +261,28 @@ impl FleetKv {
         let state_bucket = format!("ankusa_{instance}_state");
         let leases_bucket = format!("ankusa_{instance}_leases");
         let nodes_bucket = format!("ankusa_{instance}_nodes");
-        let state = open_bucket(
-            &js,
-            &state_bucket,
-            create,
-            "ankusa-fleet claims and bucket TATs",
-        )
-        .await?;
-        if create.is_some() {
-            drop_expiry_markers(&js, &state).await;
-        }
-        let leases = open_bucket(&js, &leases_bucket, create, "ankusa-fleet shard leases").await?;
-        let nodes = open_bucket(&js, &nodes_bucket, create, "ankusa-fleet node heartbeats").await?;
+        // Nobody watches the state bucket, and a load skips markers: there an
+        // expiry marker would only be one more stored message, and one more
+        // expiry, for every claim-log message (docs/benchmarks.md, session 22).
+        // The nodes' watch learns of a dead node from its heartbeat's marker.
+        let state_bucket_spec = BucketSpec {
+            name: &state_bucket,
+            description: "ankusa-fleet claims and bucket TATs",
+            expiry_markers: None,
+        };
+        open_bucket(&js, &state_bucket_spec, create).await?;
+        let leases = BucketSpec {
+            name: &leases_bucket,
+            description: "ankusa-fleet shard leases",
+            expiry_markers: Some(EXPIRY_MARKER_TTL),
+        };
+        let leases = open_bucket(&js, &leases, create).await?;
+        let nodes = BucketSpec {
+            name: &nodes_bucket,
+            description: "ankusa-fleet node heartbeats",
+            expiry_markers: Some(EXPIRY_MARKER_TTL),
+        };
+        let nodes = open_bucket(&js, &nodes, create).await?;
         Ok(Self {
             js,
             state_bucket,
@@ -555,16 +565,53 @@ impl FleetKv {
     }
 }
 
+/// How long the marker an expired lease or heartbeat leaves is kept.
+const EXPIRY_MARKER_TTL: Duration = Duration::from_secs(1);
+
+/// One KV bucket of an instance, as this release creates it.
+struct BucketSpec<'a> {
+    name: &'a str,
+    description: &'a str,
+    /// How long JetStream keeps the marker it writes when a key expires, or
+    /// `None` for no markers.
+    expiry_markers: Option<Duration>,
+}
+
+impl BucketSpec<'_> {
+    /// The bucket's stream: what async-nats's `create_key_value` makes
+    /// (history 1, per-message TTLs), with the markers chosen per bucket,
+    /// which `create_key_value` ties to per-message TTLs.
+    fn stream(&self, replicas: usize) -> stream::Config {
+        stream::Config {
+            name: format!("KV_{}", self.name),
+            description: Some(self.description.to_string()),
+            subjects: vec![format!("$KV.{}.>", self.name)],
+            max_messages_per_subject: 1,
+            max_message_size: 64 * 1024,
+            storage: stream::StorageType::File,
+            num_replicas: replicas.max(1),
+            discard: stream::DiscardPolicy::New,
+            allow_rollup: true,
+            deny_delete: true,
+            allow_direct: true,
+            allow_message_ttl: true,
+            subject_delete_marker_ttl: self.expiry_markers,
+            ..Default::default()
+        }
+    }
+}
+
 async fn open_bucket(
     js: &jetstream::Context,
-    bucket: &str,
+    spec: &BucketSpec<'_>,
     create: Option<usize>,
-    description: &str,
 ) -> Result<kv::Store, KvError> {
+    let bucket = spec.name;
     let replicas = match (js.get_key_value(bucket).await, create) {
         (Ok(store), create) => {
             if let Some(replicas) = create {
                 check_replicas(&store, replicas);
+                check_expiry_markers(&store, spec);
             }
             return Ok(store);
         }
@@ -576,52 +623,38 @@ async fn open_bucket(
         }
         (Err(err), None) => return Err(open_error(bucket, err)),
     };
-    let config = kv::Config {
-        bucket: bucket.to_string(),
-        description: description.to_string(),
-        history: 1,
-        num_replicas: replicas.max(1),
-        storage: stream::StorageType::File,
-        max_value_size: 64 * 1024,
-        // Per-message TTL; the markers an expiry leaves live one second.
-        limit_markers: Some(Duration::from_secs(1)),
-        ..Default::default()
-    };
-    let store = match js.create_key_value(config).await {
+    // Creating a stream that exists with the same configuration succeeds, so
+    // nodes starting together all get here; one whose configuration differs
+    // (another release's) fails, and the bucket is then used as it is.
+    let created = js.create_stream(spec.stream(replicas)).await;
+    let store = match js.get_key_value(bucket).await {
         Ok(store) => store,
-        // Another node created it between our get and create.
-        Err(create_err) => js
-            .get_key_value(bucket)
-            .await
-            .map_err(|_| open_error(bucket, create_err))?,
+        Err(open_err) => {
+            return Err(match created {
+                Err(create_err) => open_error(bucket, create_err),
+                Ok(_) => open_error(bucket, open_err),
+            })
+        }
     };
     check_replicas(&store, replicas);
+    check_expiry_markers(&store, spec);
     Ok(store)
 }
 
-/// Stops JetStream leaving a marker for every state message it expires.
-///
-/// A bucket gets per-message TTLs only with limit markers on (async-nats ties
-/// the two), and then every expired message costs a second write, the marker,
-/// and a second expiry a second later: as many stored messages again as the
-/// claim log itself, in a loop nats-server runs while serving (session 22 in
-/// docs/benchmarks.md). Nobody watches the state bucket and the load skips
-/// markers, so they tell no one anything. The heartbeats keep theirs: the
-/// nodes' watch learns of a dead node from its marker.
-///
-/// Best effort: a bucket that keeps its markers is slower, not wrong.
-async fn drop_expiry_markers(js: &jetstream::Context, store: &kv::Store) {
-    let mut config = store.stream.cached_info().config.clone();
-    if config.subject_delete_marker_ttl.is_none() {
-        return;
-    }
-    config.subject_delete_marker_ttl = None;
-    if let Err(err) = js.update_stream(&config).await {
+/// Says when a bucket's expiry markers are not the ones this release creates
+/// it with: a state bucket created before session 22 has them, and pays a
+/// second stored message for every claim-log message that expires.
+fn check_expiry_markers(store: &kv::Store, spec: &BucketSpec<'_>) {
+    let actual = store.stream.cached_info().config.subject_delete_marker_ttl;
+    if actual != spec.expiry_markers {
         tracing::warn!(
             bucket = %store.name,
-            error = %err,
-            "could not turn off the state bucket's expiry markers; it works as it is, \
-             with a second stored message for every expired one",
+            actual = ?actual,
+            wanted = ?spec.expiry_markers,
+            "the KV bucket's expiry markers (subject_delete_marker_ttl) are not the ones \
+             this release creates it with; it is used as it is (change it by editing the \
+             stream's configuration: `nats stream info {} --json`, then `nats stream edit`)",
+            store.stream_name,
         );
     }
 }

@@ -634,38 +634,30 @@ async fn a_node_says_when_its_buckets_have_fewer_replicas_than_configured() {
 }
 
 /// The state bucket expires its messages without leaving a marker for each
-/// (a second stored message and a second expiry), also when a release that
-/// left them created it; the heartbeats keep theirs, which the nodes' watch
-/// learns of a dead node from.
+/// (a second stored message and a second expiry); leases and heartbeats keep
+/// theirs, which the nodes' watch learns of a dead node from. A state bucket
+/// that an earlier release created with markers is used as it is, with a
+/// warning.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_state_bucket_expires_its_messages_without_markers() {
     use async_nats::jetstream::{self, kv};
     let nats = NatsServer::start().await.expect("nats");
     let js = jetstream::new(nats.connect().await.expect("connect"));
-    // As releases before session 22 created it.
-    js.create_key_value(kv::Config {
-        bucket: "ankusa_test_state".into(),
-        history: 1,
-        limit_markers: Some(Duration::from_secs(1)),
-        ..Default::default()
-    })
-    .await
-    .expect("state bucket with markers");
-    let _kv = kv(&nats).await;
-    let marker_ttl = |stream: &str| {
+    let markers = |stream: String| {
         let js = js.clone();
-        let stream = stream.to_string();
         async move {
             let mut stream = js.get_stream(stream).await.expect("stream");
             let config = stream.info().await.expect("stream info").config.clone();
             (config.allow_message_ttl, config.subject_delete_marker_ttl)
         }
     };
-    assert_eq!(marker_ttl("KV_ankusa_test_state").await, (true, None));
-    assert_eq!(
-        marker_ttl("KV_ankusa_test_nodes").await,
-        (true, Some(Duration::from_secs(1)))
-    );
+    let _kv = kv(&nats).await;
+    let one_second = Some(Duration::from_secs(1));
+    assert_eq!(markers("KV_ankusa_test_state".into()).await, (true, None));
+    for bucket in ["leases", "nodes"] {
+        let stream = format!("KV_ankusa_test_{bucket}");
+        assert_eq!(markers(stream).await, (true, one_second), "{bucket}");
+    }
 
     let mut headers = async_nats::HeaderMap::new();
     headers.insert(async_nats::header::NATS_MESSAGE_TTL, "1");
@@ -688,6 +680,28 @@ async fn the_state_bucket_expires_its_messages_without_markers() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let state = stream.info().await.expect("stream info").state.clone();
     assert_eq!(state.last_sequence, 1, "no marker was stored: {state:?}");
+
+    // As releases before session 22 created it.
+    js.create_key_value(kv::Config {
+        bucket: "ankusa_earlier_state".into(),
+        history: 1,
+        limit_markers: one_second,
+        ..Default::default()
+    })
+    .await
+    .expect("state bucket with markers");
+    let mut spec = NodeSpec::fleet("node-a", vec![nats.url()]);
+    spec.instance = "earlier".into();
+    let mut node = NodeProcess::start(spec).expect("node starts");
+    node.wait_ready(Duration::from_secs(20))
+        .await
+        .expect("node ready");
+    node.process()
+        .wait_for_log("expiry markers", Duration::from_secs(5))
+        .await
+        .expect("the node warns of the state bucket's markers");
+    let stream = "KV_ankusa_earlier_state".to_string();
+    assert_eq!(markers(stream).await, (true, one_second), "left as it is");
 }
 
 /// A node told to stop while its NATS server is gone still exits in bounded
