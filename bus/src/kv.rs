@@ -265,23 +265,23 @@ impl FleetKv {
         // expiry marker would only be one more stored message, and one more
         // expiry, for every claim-log message (docs/benchmarks.md, session 22).
         // The nodes' watch learns of a dead node from its heartbeat's marker.
-        let state_bucket_spec = BucketSpec {
+        let state = BucketSpec {
             name: &state_bucket,
             description: "ankusa-fleet claims and bucket TATs",
             expiry_markers: None,
         };
-        open_bucket(&js, &state_bucket_spec, create).await?;
         let leases = BucketSpec {
             name: &leases_bucket,
             description: "ankusa-fleet shard leases",
             expiry_markers: Some(EXPIRY_MARKER_TTL),
         };
-        let leases = open_bucket(&js, &leases, create).await?;
         let nodes = BucketSpec {
             name: &nodes_bucket,
             description: "ankusa-fleet node heartbeats",
             expiry_markers: Some(EXPIRY_MARKER_TTL),
         };
+        open_bucket(&js, &state, create).await?;
+        let leases = open_bucket(&js, &leases, create).await?;
         let nodes = open_bucket(&js, &nodes, create).await?;
         Ok(Self {
             js,

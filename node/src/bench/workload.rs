@@ -1112,8 +1112,8 @@ async fn open_loop<S: Store>(
     let mut tick = tokio::time::interval(COLLECT_EVERY);
     loop {
         tick.tick().await;
-        let open = rx.recv_many(&mut done, usize::MAX);
-        let received = tokio::time::timeout_at(end, open).await;
+        let taking = rx.recv_many(&mut done, usize::MAX);
+        let received = tokio::time::timeout_at(end, taking).await;
         done.drain(..).for_each(|op| stats.record(op));
         match received {
             Ok(0) => break, // every sender (the scheduler and each call) is done
