@@ -5,7 +5,9 @@
 //!
 //! TTL buckets
 //! - `create_key_value(kv::Config { limit_markers: Some(d), .. })` makes a stream with
-//!   `allow_msg_ttl` and `subject_delete_marker_ttl = d`; needed for any per-key TTL.
+//!   `allow_msg_ttl` and `subject_delete_marker_ttl = d`; through `create_key_value`,
+//!   needed for any per-key TTL. (A stream created directly may allow TTLs without
+//!   markers: the nodes create the state bucket so, `tests/fleet.rs`.)
 //!   A bucket without it rejects TTL writes: err 10166 "per-message TTL is disabled".
 //! - `kv.create_with_ttl(key, v, ttl)` and a raw publish with header `Nats-TTL: 1s` (or
 //!   `1`, integer seconds) both work; a 1 s key reads `None` from `kv.get` about
