@@ -11,7 +11,6 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ankusa_actors::actor::Job;
 use ankusa_actors::{
     spawn_shard, Charge, Claim, HitOutcome, HitRequest, Kind, SettleRequest, Settlement,
     ShardConfig, ShardHandle, SystemClock, TenantState,
@@ -150,13 +149,7 @@ fn shard(rt: &Runtime) -> ShardHandle {
 }
 
 async fn round_trip(shard: &ShardHandle, req: HitRequest) -> HitOutcome {
-    let (reply, rx) = tokio::sync::oneshot::channel();
-    shard.send(Job {
-        req,
-        deadline: None,
-        reply: reply.into(),
-    });
-    match rx.await {
+    match shard.ask(req, None).await {
         Ok(Ok(applied)) => applied.outcome,
         other => panic!("hit failed: {other:?}"),
     }

@@ -419,6 +419,22 @@ impl ShardHandle {
             }
         }
     }
+
+    /// Hands `req` to its tenant now, as [`ShardHandle::send`] does, and gives
+    /// back the receiver its answer comes on.
+    pub fn ask<R: TenantRequest>(
+        &self,
+        req: R,
+        deadline: Option<Instant>,
+    ) -> tokio::sync::oneshot::Receiver<Reply<R::Outcome>> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        self.send(Job {
+            req,
+            deadline,
+            reply: reply.into(),
+        });
+        answer
+    }
 }
 
 /// The actor of one shard.
@@ -730,13 +746,7 @@ mod tests {
     }
 
     async fn send_hit(shard: &ShardHandle, key: &str) -> Option<Reply<HitOutcome>> {
-        let (reply, rx) = tokio::sync::oneshot::channel();
-        shard.send(Job {
-            req: hit(key),
-            deadline: None,
-            reply: reply.into(),
-        });
-        rx.await.ok()
+        shard.ask(hit(key), None).await.ok()
     }
 
     async fn shard_with(policy: TenantFailure) -> ShardHandle {
@@ -807,13 +817,7 @@ mod tests {
             // A burst the bucket always takes: only the claims are at stake.
             let mut req = hit(&format!("k{i}"));
             req.charges[0].capacity_us = 1_000_000;
-            let (reply, rx) = tokio::sync::oneshot::channel();
-            shard.send(Job {
-                req,
-                deadline: None,
-                reply: reply.into(),
-            });
-            answers.push(rx);
+            answers.push(shard.ask(req, None));
             if i % 7 == 0 {
                 // Every tenant is idle at once: each tick retires it.
                 clock.advance_us(1_000);
@@ -843,13 +847,7 @@ mod tests {
             if let Some(claim) = req.claim.as_mut() {
                 claim.hook_id = "another".into();
             }
-            let (reply, rx) = tokio::sync::oneshot::channel();
-            shard.send(Job {
-                req,
-                deadline: None,
-                reply: reply.into(),
-            });
-            let again = rx.await;
+            let again = shard.ask(req, None).await;
             assert!(
                 matches!(
                     again,

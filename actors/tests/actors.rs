@@ -64,13 +64,10 @@ async fn hit_by(
     req: HitRequest,
     deadline: Option<Instant>,
 ) -> Result<Applied<HitOutcome>, Refused> {
-    let (reply, rx) = oneshot::channel();
-    shard.send(Job {
-        req,
-        deadline,
-        reply: reply.into(),
-    });
-    rx.await.expect("the shard answers every job")
+    shard
+        .ask(req, deadline)
+        .await
+        .expect("the shard answers every job")
 }
 
 async fn hit(shard: &ShardHandle, req: HitRequest) -> HitOutcome {
@@ -83,13 +80,10 @@ async fn settle_by(
     settlement: Settlement,
     deadline: Option<Instant>,
 ) -> Result<Applied<SettleOutcome>, Refused> {
-    let (reply, rx) = oneshot::channel();
-    shard.send(Job {
-        req: SettleRequest { claim, settlement },
-        deadline,
-        reply: reply.into(),
-    });
-    rx.await.expect("the shard answers every job")
+    shard
+        .ask(SettleRequest { claim, settlement }, deadline)
+        .await
+        .expect("the shard answers every job")
 }
 
 async fn settle(shard: &ShardHandle, claim: Claim, settlement: Settlement) -> SettleOutcome {

@@ -29,7 +29,7 @@ use std::sync::OnceLock;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use ankusa_actors::actor::{Job, ShardHandle, ShardMsg};
+use ankusa_actors::actor::{ShardHandle, ShardMsg};
 use ankusa_actors::{Changes, Refused, TenantRequest};
 use futures::future::{join_all, BoxFuture};
 use futures::{FutureExt, StreamExt};
@@ -661,12 +661,7 @@ fn apply<R: TenantRequest>(
     body: fn(R::Outcome) -> ReplyBody,
 ) -> BoxFuture<'static, ReplyBody> {
     let tenant = req.tenant_name().to_owned();
-    let (reply, rx) = oneshot::channel();
-    ctx.actors.send(Job {
-        req,
-        deadline,
-        reply: reply.into(),
-    });
+    let rx = ctx.actors.ask(req, deadline);
     let (shard, persistence) = (ctx.shard, ctx.persistence.clone());
     async move {
         match rx.await {
