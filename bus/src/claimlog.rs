@@ -13,8 +13,8 @@
 //!   live node says it reads it (its heartbeat's `claim_log_format`), so a node
 //!   of an earlier release never takes over a shard whose changes it cannot see.
 //! - **The group log** ([`GROUP_LOG_FORMAT`]), `l.<log>.<writer>.<seq>`: a log
-//!   per group of [`SHARDS_PER_LOG`] consecutive shards, one message in flight
-//!   per group. A node spreads its shards over every group, so its messages
+//!   per group of [`SHARDS_PER_LOG`] consecutive shards, each with its own
+//!   messages in flight. A node spreads its shards over every group, so its messages
 //!   were a fraction as full as the node log's.
 //!
 //! Any message may hold any shard's changes, so a load reads every message of

@@ -14,8 +14,8 @@
 //!
 //! Tenants and keys never appear in a KV key in clear: any bytes are safe.
 //! Claims go through [`KvWriter`], a group commit: a node's claim changes
-//! queue while its last log message is in flight and leave together as the
-//! next one, so a burst of hits costs a handful of stored messages, not one
+//! queue while its log messages are in flight (two at most) and leave together
+//! as the next one, so a burst of hits costs a handful of stored messages, not one
 //! each. A caller is answered only once the message holding its change is
 //! acknowledged. Bucket TATs are written behind into the same logs, coalesced
 //! to at most one record per tenant per flush interval.
@@ -895,12 +895,20 @@ struct ClaimLogs {
     logs: HashMap<LogId, ClaimLog>,
 }
 
+/// Messages of one log awaiting their acks at once. With one, a change made
+/// while a message is in flight waits for that ack and then for its own: at
+/// 19 k unbatched hits/s a request spent 0.9–1.1 ms in the node against a
+/// 0.4 ms ack. A second message lets it leave at once; at the peak the
+/// messages stay as full (the changes of a round still leave together). Both
+/// go out on one connection, so they are stored in the order they were sent;
+/// the replay does not depend on that order anyway (see `claimlog`).
+const LOG_MESSAGES_IN_FLIGHT: usize = 2;
+
 #[derive(Default)]
 struct ClaimLog {
     queue: Vec<(EncodedChange, Done)>,
-    /// One message per log in flight keeps it in the order the changes were
-    /// made.
-    in_flight: bool,
+    /// Messages awaiting their ack, at most [`LOG_MESSAGES_IN_FLIGHT`].
+    in_flight: usize,
 }
 
 impl ClaimLogs {
@@ -925,10 +933,10 @@ impl ClaimLogs {
     }
 
     /// Takes the next message of log `id` (its queued changes, up to the size
-    /// limit), unless one is in flight or nothing waits.
+    /// limit), unless the log has as many in flight as it may or nothing waits.
     fn next_message(&mut self, id: LogId) -> Option<(Write, Vec<Done>)> {
         let log = self.logs.get_mut(&id)?;
-        if log.in_flight || log.queue.is_empty() {
+        if log.in_flight >= LOG_MESSAGES_IN_FLIGHT || log.queue.is_empty() {
             return None;
         }
         let mut bytes = 0;
@@ -942,7 +950,7 @@ impl ClaimLogs {
             .count()
             .max(1);
         let batch: Vec<(EncodedChange, Done)> = log.queue.drain(..take).collect();
-        log.in_flight = true;
+        log.in_flight += 1;
         self.seq += 1;
         let keep_until = batch
             .iter()
@@ -970,9 +978,9 @@ const LANDING_YIELDS: usize = 4;
 
 /// Publishes writes as they come and completes each once its ack is in; many
 /// acks are awaited at once. Claim changes are grouped per log (the node log,
-/// or a group log each while `node_log` is off): while a log's message is in
-/// flight, its next changes queue up and leave together when it is
-/// acknowledged.
+/// or a group log each while `node_log` is off): while a log has its
+/// messages in flight, its next changes queue up and leave together when one
+/// is acknowledged.
 async fn commit_loop(
     js: jetstream::Context,
     mut logs: ClaimLogs,
@@ -1026,7 +1034,7 @@ async fn commit_loop(
             }
             Some(id) = acks.next(), if !acks.is_empty() => {
                 if let Some(log) = logs.logs.get_mut(&id) {
-                    log.in_flight = false;
+                    log.in_flight -= 1;
                 }
                 send_next(&js, &mut logs, id, &mut acks).await;
                 metrics::gauge!("ankusa_kv_writes_in_flight").set(acks.len() as f64);
@@ -1139,5 +1147,40 @@ mod tests {
             beat("b", 0)
         ]));
         assert!(!Heartbeat::all_read_node_log(&[beat("a", 1)]));
+    }
+
+    #[test]
+    fn a_log_sends_its_next_message_while_one_awaits_its_ack_but_no_more() {
+        let mut logs = ClaimLogs::new("state".into());
+        let mut queue = |logs: &mut ClaimLogs, n: usize| {
+            for _ in 0..n {
+                let change = EncodedChange {
+                    bytes: vec![0xc0],
+                    keep_until_us: now_unix_us() + 60_000_000,
+                };
+                let (done, _) = oneshot::channel();
+                logs.logs
+                    .entry(LogId::Node)
+                    .or_default()
+                    .queue
+                    .push((change, done));
+            }
+        };
+        queue(&mut logs, 3);
+        let (_, first) = logs.next_message(LogId::Node).expect("the first leaves");
+        assert_eq!(first.len(), 3, "everything queued leaves together");
+        queue(&mut logs, 2);
+        let (_, second) = logs.next_message(LogId::Node).expect("a second leaves");
+        assert_eq!(second.len(), 2);
+        queue(&mut logs, 4);
+        assert!(
+            logs.next_message(LogId::Node).is_none(),
+            "a third waits for an ack"
+        );
+        // What the commit loop does when an ack comes in.
+        logs.logs.get_mut(&LogId::Node).expect("the log").in_flight -= 1;
+        let (_, third) = logs.next_message(LogId::Node).expect("then it leaves");
+        assert_eq!(third.len(), 4, "with everything that waited");
+        assert!(logs.next_message(LogId::Node).is_none(), "nothing waits");
     }
 }
