@@ -3,7 +3,9 @@
 # and redis-server on free 127.0.0.1 ports, N ankusa-node processes (fleet mode,
 # release build), then runs
 #   ankusa bench --compare   (bare NATS echo, Redis + Lua, fleet without and with
-#                             edge batching, p99 at half the fleet's peak), K times
+#                             edge batching, p99 at half the fleet's peak), in R
+#                             rounds where the stores take turns (each ratio the
+#                             median of its rounds'), K times
 #   ankusa bench durable     (KV group commit vs sequential puts)
 #   ankusa bench recovery    (load 100,000 claims of one shard)
 #   ankusa bench memory      (with --memory: node RSS per committed claim, per
@@ -12,7 +14,7 @@
 # and prints everything. Every process it starts is stopped on exit. The default
 # run takes about 4 minutes once built.
 #
-#   scripts/bench.sh [--duration S] [--nodes N] [--shards S] [--runs K]
+#   scripts/bench.sh [--duration S] [--nodes N] [--shards S] [--runs K] [--rounds R]
 #                    [--memory | --memory-only] [--memory-count N]
 #                    [--memory-what 'claims tenants control parked'] [--out DIR]
 #   scripts/bench.sh --scale [--duration S]   # 1, 2, 4 nodes x 16, 64, 256 shards
@@ -22,13 +24,14 @@
 #       generator (needs perf; about 2 minutes once built)
 set -euo pipefail
 
-duration=6 nodes=2 shards=64 runs=2 scale=0 profile=0 memory=0 main=1 memory_what="claims tenants control parked" memory_count=1000000 out=""
+duration=5 nodes=2 shards=64 runs=1 rounds=3 scale=0 profile=0 memory=0 main=1 memory_what="claims tenants control parked" memory_count=1000000 out=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --duration) duration=$2; shift 2 ;;
     --nodes) nodes=$2; shift 2 ;;
     --shards) shards=$2; shift 2 ;;
     --runs) runs=$2; shift 2 ;;
+    --rounds) rounds=$2; shift 2 ;;
     --scale) scale=1; shift ;;
     --profile) profile=1 main=0; shift ;;
     --memory) memory=1; shift ;;
@@ -37,7 +40,7 @@ while [ $# -gt 0 ]; do
     --memory-count) memory_count=$2; shift 2 ;;
     --memory-what) memory_what=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "bench.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -251,8 +254,8 @@ echo "== fleet: $nodes node(s), $shards shards =="
 start_fleet bench "$nodes" "$shards"
 cli --instance bench --shards "$shards" status
 for r in $(seq "$runs"); do
-  echo; echo "== comparison, run $r of $runs (${duration}s per store) =="
-  cli --instance bench --shards "$shards" bench --compare --duration-s "$duration" \
+  echo; echo "== comparison, run $r of $runs ($rounds rounds, ${duration}s per store) =="
+  cli --instance bench --shards "$shards" bench --compare --rounds "$rounds" --duration-s "$duration" \
     --redis-url "$redis_url" --json "$out/compare-$r.json" | tee "$out/compare-$r.txt"
 done
 echo; echo "== durable claims =="

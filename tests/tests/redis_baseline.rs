@@ -1,6 +1,7 @@
 //! The Redis + Lua baseline against a real `redis-server` that this test starts
 //! on a free loopback port: every outcome of the contract, all-or-nothing
-//! charges, expiry, retry hints, the hard per-call budget, and a short workload.
+//! charges, expiry, retry hints, the hard per-call budget, and a short workload;
+//! and `ankusa bench --compare` in rounds, side by side with a node.
 //!
 //! The server binary comes from `REDIS_SERVER_BIN` or `PATH`; without one the
 //! test fails (it never skips): run `scripts/ensure-redis.sh`.
@@ -14,6 +15,8 @@ use ankusa_actors::{
 use ankusa_bus::{Store, StoreError};
 use ankusa_node::bench::redis_lua::RedisLuaStore;
 use ankusa_node::bench::workload::{self, LoadMode, WorkloadConfig};
+use ankusa_tests::fleet::standalone_pair;
+use ankusa_tests::process::cargo_bin;
 use ankusa_tests::redis::RedisServer;
 
 const BUDGET: Duration = Duration::from_millis(500);
@@ -377,4 +380,71 @@ async fn a_short_workload_runs_clean() {
     assert!(h.duplicate > 0, "{report}");
     assert_eq!(report.settles, h.ok, "{report}");
     assert_eq!(report.settle_outcomes.ok, report.settles, "{report}");
+}
+
+/// `ankusa bench --compare --rounds 2`: every store runs in every round, the
+/// open loops of every round run at one rate, and each ratio printed is the
+/// median (of two: the mean) of its rounds' values.
+#[tokio::test]
+async fn the_comparison_takes_the_median_of_its_rounds() {
+    let (nats, node) = standalone_pair("cmp-1").await;
+    let server = RedisServer::start().expect("redis-server starts");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let json = dir.path().join("compare.json");
+    let out = tokio::process::Command::new(cargo_bin("ankusa"))
+        .args(["--nats", &nats.url(), "--instance", &node.spec.instance])
+        .args(["--shards", &node.spec.shards.to_string()])
+        .args(["bench", "--compare", "--rounds", "2", "--duration-s", "0.4"])
+        .args(["--tenants", "20", "--concurrency", "16", "--redis-url"])
+        .arg(server.url())
+        .arg("--json")
+        .arg(&json)
+        .env_remove("ANKUSA_NATS")
+        .output()
+        .await
+        .expect("ankusa runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("== ratios: the median of 2 rounds"), "{stdout}");
+
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&json).expect("the JSON report")).expect("JSON");
+    let rounds = report["rounds"].as_array().expect("rounds");
+    assert_eq!(rounds.len(), 2);
+    let mut rates = Vec::new();
+    for round in rounds {
+        let labels: Vec<&str> = round["peak"]
+            .as_array()
+            .expect("peak")
+            .iter()
+            .map(|r| r["label"].as_str().expect("label"))
+            .collect();
+        assert_eq!(labels, ["echo", "redis-lua", "fleet", "fleet+batch"]);
+        for r in round["peak"].as_array().expect("peak") {
+            assert!(r["hits"].as_u64() > Some(0), "{r}");
+        }
+        let half_peak = round["half_peak"].as_array().expect("half_peak");
+        assert_eq!(half_peak.len(), 2, "unbatched and batched");
+        rates.extend(half_peak.iter().map(|h| h["rate_per_sec"].as_f64()));
+    }
+    assert_eq!(rates[..2], rates[2..], "both rounds' open loops at one rate");
+
+    let ratios = report["ratios"].as_array().expect("ratios");
+    assert_eq!(ratios.len(), 8, "six at peak, two at half the peak");
+    for (i, ratio) in ratios.iter().enumerate() {
+        let each: Vec<f64> = rounds
+            .iter()
+            .filter_map(|round| round["ratios"][i]["value"].as_f64())
+            .collect();
+        assert_eq!(ratio["rounds"].as_array().map(Vec::len), Some(2), "{ratio}");
+        if each.len() == 2 {
+            let median = (each[0] + each[1]) / 2.0;
+            let value = ratio["value"].as_f64().expect("a value");
+            assert!((value - median).abs() < 1e-9, "{ratio} against {each:?}");
+        }
+    }
 }

@@ -7,7 +7,13 @@
 //! 3. the fleet without edge batching, and 4. with it;
 //!
 //! then, open loop at half of the fleet's measured peak, the fleet and the echo
-//! again, to compare their p99 at a rate both can sustain. The subcommands
+//! again, to compare their p99 at a rate both can sustain.
+//!
+//! With `--rounds N` the stores take turns: each round runs all four, then
+//! each round both open loops, and every ratio is the median of its rounds'.
+//! A shared host's speed drifts by tens of percent within minutes; stores
+//! measured seconds apart in the same round see about the same host, and the
+//! median leaves out a round that a neighbour's burst fell on. The subcommands
 //! `durable`, `recovery` and `memory` are in [`super::kvbench`] and
 //! [`super::memory`].
 
@@ -44,6 +50,10 @@ pub struct BenchArgs {
     /// Skip the open-loop runs at half the fleet's peak
     #[arg(long)]
     pub no_half_peak: bool,
+    /// With --compare: rounds in which the stores take turns (1 to 20); each
+    /// ratio is the median of its rounds'
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=20))]
+    pub rounds: u32,
     /// Write the report(s) as JSON to this file
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -276,28 +286,101 @@ impl Drop for EchoServer {
     }
 }
 
-/// One ratio, with the target it is held to.
+/// What a ratio is held to.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Target {
+    AtLeast(f64),
+    AtMost(f64),
+    /// No target; at most 1 counts as met.
+    LowerIsBetter,
+}
+
+impl Target {
+    fn met(self, value: f64) -> bool {
+        match self {
+            Target::AtLeast(t) => value >= t,
+            Target::AtMost(t) => value <= t,
+            Target::LowerIsBetter => value <= 1.0,
+        }
+    }
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::AtLeast(t) => write!(f, ">= {t}"),
+            Target::AtMost(t) => write!(f, "<= {t}"),
+            Target::LowerIsBetter => f.write_str("lower is better"),
+        }
+    }
+}
+
+/// One ratio, with the target it is held to: of one round, or the median of
+/// every round's (then `rounds` holds each round's value).
 #[derive(Debug, Clone, Serialize)]
 pub struct Ratio {
     pub what: String,
     pub value: Option<f64>,
-    pub target: String,
+    pub target: Target,
     pub met: Option<bool>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub rounds: Vec<Option<f64>>,
 }
 
-fn ratio(what: &str, value: Option<f64>, target: &str, ok: impl Fn(f64) -> bool) -> Ratio {
-    Ratio {
-        what: what.into(),
-        value,
-        target: target.into(),
-        met: value.map(ok),
+impl Ratio {
+    fn new(what: impl Into<String>, value: Option<f64>, target: Target) -> Self {
+        Self {
+            what: what.into(),
+            value,
+            target,
+            met: value.map(|v| target.met(v)),
+            rounds: Vec::new(),
+        }
     }
+
+    /// The median of the rounds' values of the same ratio; a round without a
+    /// value (a run without hits) is left out.
+    fn median_of(rounds: &[&Ratio]) -> Option<Self> {
+        let first = rounds.first()?;
+        let values: Vec<Option<f64>> = rounds.iter().map(|r| r.value).collect();
+        let mut known: Vec<f64> = values.iter().flatten().copied().collect();
+        known.sort_by(f64::total_cmp);
+        let mid = known.len() / 2;
+        let median = match known.len() {
+            0 => None,
+            n if n % 2 == 1 => Some(known[mid]),
+            _ => Some((known[mid - 1] + known[mid]) / 2.0),
+        };
+        Some(Self {
+            rounds: values,
+            ..Self::new(first.what.clone(), median, first.target)
+        })
+    }
+}
+
+/// The ratios of several rounds, each the median of its rounds' values.
+/// Every round lists the same ratios in the same order.
+fn median_ratios(rounds: &[Vec<Ratio>]) -> Vec<Ratio> {
+    let count = rounds.iter().map(Vec::len).min().unwrap_or(0);
+    (0..count)
+        .filter_map(|i| Ratio::median_of(&rounds.iter().map(|r| &r[i]).collect::<Vec<_>>()))
+        .collect()
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct CompareReport {
+    pub rounds: Vec<CompareRound>,
+    /// Each the median of the rounds' (with one round, that round's).
+    pub ratios: Vec<Ratio>,
+}
+
+/// One round: the four stores at peak, the open loops, and their ratios.
+#[derive(Debug, Clone, Serialize)]
+pub struct CompareRound {
+    /// echo, redis-lua, fleet, fleet+batch.
     pub peak: Vec<WorkloadReport>,
-    /// Open loop at half the fleet's peak: (rate, fleet, echo) per fleet client mode.
+    /// Open loop at half the fleet's peak, per fleet client mode.
     pub half_peak: Vec<HalfPeak>,
     pub ratios: Vec<Ratio>,
 }
@@ -313,6 +396,86 @@ pub struct HalfPeak {
     pub echo_saturated: bool,
 }
 
+/// The stores at peak in one round.
+struct Peaks {
+    echo: WorkloadReport,
+    redis: WorkloadReport,
+    fleet: WorkloadReport,
+    fleet_batch: WorkloadReport,
+}
+
+impl Peaks {
+    fn ratios(&self, half_peak: &[HalfPeak]) -> Vec<Ratio> {
+        let vs = |a: &WorkloadReport, b: &WorkloadReport| a.ratio_to(b);
+        let (echo, redis) = (&self.echo, &self.redis);
+        let (fleet, batch) = (&self.fleet, &self.fleet_batch);
+        let mut ratios = vec![
+            Ratio::new(
+                "fleet / redis-lua hits/s (no batching)",
+                vs(fleet, redis).hits_per_sec,
+                Target::AtLeast(1.5),
+            ),
+            Ratio::new(
+                "fleet+batch / redis-lua hits/s",
+                vs(batch, redis).hits_per_sec,
+                Target::AtLeast(1.5),
+            ),
+            Ratio::new(
+                "fleet / redis-lua hit p99 (no batching)",
+                vs(fleet, redis).hit_p99,
+                Target::LowerIsBetter,
+            ),
+            Ratio::new(
+                "fleet+batch / redis-lua hit p99",
+                vs(batch, redis).hit_p99,
+                Target::LowerIsBetter,
+            ),
+            Ratio::new(
+                "fleet / echo hits/s (no batching)",
+                vs(fleet, echo).hits_per_sec,
+                Target::AtLeast(0.5),
+            ),
+            Ratio::new(
+                "fleet+batch / echo hits/s",
+                vs(batch, echo).hits_per_sec,
+                Target::AtLeast(2.0),
+            ),
+        ];
+        for h in half_peak {
+            let what = format!(
+                "p99 at {:.0}/s (50% of fleet{} peak): fleet / echo{}",
+                h.rate_per_sec,
+                if h.batching { "+batch" } else { "" },
+                if h.echo_saturated {
+                    " [echo saturated]"
+                } else {
+                    ""
+                }
+            );
+            ratios.push(Ratio::new(
+                what,
+                vs(&h.fleet, &h.echo).hit_p99,
+                Target::AtMost(2.0),
+            ));
+        }
+        ratios
+    }
+
+    fn into_vec(self) -> Vec<WorkloadReport> {
+        vec![self.echo, self.redis, self.fleet, self.fleet_batch]
+    }
+}
+
+/// The median of some figures (0 without any).
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
 fn fmt_opt(v: Option<f64>) -> String {
     v.map_or_else(|| "-".into(), |v| format!("{v:.2}x"))
 }
@@ -322,145 +485,212 @@ async fn compare(global: &Global, args: &BenchArgs, cfg: WorkloadConfig) -> Resu
     let echo_server = EchoServer::start(global.nats_options(), base.clone())?;
     let echo_client = global.nats_client(Duration::from_secs(5)).await?;
     let echo = Arc::new(EchoStore::new(echo_client, &base));
+    let redis = Arc::new(
+        RedisLuaStore::connect(&args.redis_url, args.redis_pool)
+            .await
+            .map_err(|e| CliError::Baseline(e.to_string()))?,
+    );
+    let rounds = args.rounds.max(1) as usize;
+    let of_rounds = |round: usize| {
+        if rounds > 1 {
+            format!(" (round {round} of {rounds})")
+        } else {
+            String::new()
+        }
+    };
 
-    eprintln!("bench: echo, {} ...", cfg.mode_label());
-    let echo_peak = workload::run(Arc::clone(&echo), &cfg)
-        .await?
-        .labelled("echo");
-    let redis = RedisLuaStore::connect(&args.redis_url, args.redis_pool)
-        .await
-        .map_err(|e| CliError::Baseline(e.to_string()))?;
-    eprintln!("bench: redis-lua, {} ...", cfg.mode_label());
-    let redis_peak = workload::run(Arc::new(redis), &cfg)
-        .await?
-        .labelled("redis-lua");
-    let fleet = run_fleet(global, &cfg, &args.workload, false).await?;
-    let fleet_batch = run_fleet(global, &cfg, &args.workload, true).await?;
+    let mut peaks = Vec::with_capacity(rounds);
+    for round in 1..=rounds {
+        eprintln!("bench: echo, {}{} ...", cfg.mode_label(), of_rounds(round));
+        let echo_peak = workload::run(Arc::clone(&echo), &cfg)
+            .await?
+            .labelled("echo");
+        eprintln!(
+            "bench: redis-lua, {}{} ...",
+            cfg.mode_label(),
+            of_rounds(round)
+        );
+        let redis_peak = workload::run(Arc::clone(&redis), &cfg)
+            .await?
+            .labelled("redis-lua");
+        let fleet = run_fleet(global, &cfg, &args.workload, false).await?;
+        let fleet_batch = run_fleet(global, &cfg, &args.workload, true).await?;
+        peaks.push(Peaks {
+            echo: echo_peak,
+            redis: redis_peak,
+            fleet,
+            fleet_batch,
+        });
+    }
 
-    let mut half_peak = Vec::new();
+    // Every round's open loops run at one rate: half the fleet's median peak.
+    let median_peak = |pick: fn(&Peaks) -> &WorkloadReport| {
+        median(peaks.iter().map(|p| pick(p).hits_per_sec).collect())
+    };
+    let echo_peak = median_peak(|p| &p.echo);
+    let modes: [(bool, f64); 2] = [
+        (false, median_peak(|p| &p.fleet)),
+        (true, median_peak(|p| &p.fleet_batch)),
+    ];
+    let mut half_peaks: Vec<Vec<HalfPeak>> = (0..rounds).map(|_| Vec::new()).collect();
     if !args.no_half_peak {
-        for (batching, peak) in [(false, &fleet), (true, &fleet_batch)] {
-            let rate = (peak.hits_per_sec * 0.5).max(1.0);
-            let open = WorkloadConfig {
-                mode: LoadMode::Rate {
-                    per_sec: rate,
-                    max_in_flight: args.workload.max_in_flight,
-                },
-                ..cfg.clone()
-            };
-            let label = if batching { "fleet+b@50%" } else { "fleet@50%" };
-            let f = run_fleet(global, &open, &args.workload, batching)
-                .await?
-                .labelled(label);
-            eprintln!("bench: echo, {} ...", open.mode_label());
-            let e = workload::run(Arc::clone(&echo), &open)
-                .await?
-                .labelled(if batching { "echo@50%b" } else { "echo@50%" });
-            half_peak.push(HalfPeak {
-                batching,
-                rate_per_sec: rate,
-                fleet: f,
-                echo: e,
-                echo_saturated: echo_peak.hits_per_sec < rate,
-            });
+        for (round, half_peak) in half_peaks.iter_mut().enumerate() {
+            for (batching, peak) in modes {
+                let rate = (peak * 0.5).max(1.0);
+                let open = WorkloadConfig {
+                    mode: LoadMode::Rate {
+                        per_sec: rate,
+                        max_in_flight: args.workload.max_in_flight,
+                    },
+                    ..cfg.clone()
+                };
+                let label = if batching { "fleet+b@50%" } else { "fleet@50%" };
+                let f = run_fleet(global, &open, &args.workload, batching)
+                    .await?
+                    .labelled(label);
+                eprintln!(
+                    "bench: echo, {}{} ...",
+                    open.mode_label(),
+                    of_rounds(round + 1)
+                );
+                let e = workload::run(Arc::clone(&echo), &open)
+                    .await?
+                    .labelled(if batching { "echo@50%b" } else { "echo@50%" });
+                half_peak.push(HalfPeak {
+                    batching,
+                    rate_per_sec: rate,
+                    fleet: f,
+                    echo: e,
+                    echo_saturated: echo_peak < rate,
+                });
+            }
         }
     }
     drop(echo_server);
 
-    let vs = |a: &WorkloadReport, b: &WorkloadReport| a.ratio_to(b);
-    let mut ratios = vec![
-        ratio(
-            "fleet / redis-lua hits/s (no batching)",
-            vs(&fleet, &redis_peak).hits_per_sec,
-            ">= 1.5",
-            |r| r >= 1.5,
-        ),
-        ratio(
-            "fleet+batch / redis-lua hits/s",
-            vs(&fleet_batch, &redis_peak).hits_per_sec,
-            ">= 1.5",
-            |r| r >= 1.5,
-        ),
-        ratio(
-            "fleet / redis-lua hit p99 (no batching)",
-            vs(&fleet, &redis_peak).hit_p99,
-            "lower is better",
-            |r| r <= 1.0,
-        ),
-        ratio(
-            "fleet+batch / redis-lua hit p99",
-            vs(&fleet_batch, &redis_peak).hit_p99,
-            "lower is better",
-            |r| r <= 1.0,
-        ),
-        ratio(
-            "fleet / echo hits/s (no batching)",
-            vs(&fleet, &echo_peak).hits_per_sec,
-            ">= 0.5",
-            |r| r >= 0.5,
-        ),
-        ratio(
-            "fleet+batch / echo hits/s",
-            vs(&fleet_batch, &echo_peak).hits_per_sec,
-            ">= 2",
-            |r| r >= 2.0,
-        ),
-    ];
-    for h in &half_peak {
-        ratios.push(ratio(
-            &format!(
-                "p99 at {:.0}/s (50% of fleet{} peak): fleet / echo{}",
-                h.rate_per_sec,
-                if h.batching { "+batch" } else { "" },
-                if h.echo_saturated {
-                    " [echo saturated]"
-                } else {
-                    ""
-                }
-            ),
-            vs(&h.fleet, &h.echo).hit_p99,
-            "<= 2",
-            |r| r <= 2.0,
-        ));
+    let rounds: Vec<CompareRound> = peaks
+        .into_iter()
+        .zip(half_peaks)
+        .map(|(peaks, half_peak)| CompareRound {
+            ratios: peaks.ratios(&half_peak),
+            peak: peaks.into_vec(),
+            half_peak,
+        })
+        .collect();
+    let ratios = median_ratios(&rounds.iter().map(|r| r.ratios.clone()).collect::<Vec<_>>());
+    print_comparison(&cfg, &rounds, &ratios);
+    if let Some(path) = &args.json {
+        write_json(path, &CompareReport { rounds, ratios })?;
     }
+    Ok(())
+}
 
-    let peak = vec![echo_peak, redis_peak, fleet, fleet_batch];
-    println!("== peak, {} ({} tenants) ==", cfg.mode_label(), cfg.tenants);
-    for r in &peak {
-        println!("{r}");
-    }
-    let refs: Vec<&WorkloadReport> = peak.iter().collect();
-    println!("\n{}", comparison_table(&refs));
-    if !half_peak.is_empty() {
-        println!("\n== open loop at 50% of the fleet's peak ==");
-        let mut rows: Vec<&WorkloadReport> = Vec::new();
-        for h in &half_peak {
-            rows.push(&h.echo);
-            rows.push(&h.fleet);
+fn print_comparison(cfg: &WorkloadConfig, rounds: &[CompareRound], ratios: &[Ratio]) {
+    let several = rounds.len() > 1;
+    for (i, round) in rounds.iter().enumerate() {
+        let which = if several {
+            format!("round {} of {}, ", i + 1, rounds.len())
+        } else {
+            String::new()
+        };
+        println!(
+            "== {which}peak, {} ({} tenants) ==",
+            cfg.mode_label(),
+            cfg.tenants
+        );
+        for r in &round.peak {
+            println!("{r}");
         }
-        println!("{}", comparison_table(&rows));
+        let refs: Vec<&WorkloadReport> = round.peak.iter().collect();
+        println!("\n{}", comparison_table(&refs));
+        if !round.half_peak.is_empty() {
+            println!("\n== {which}open loop at 50% of the fleet's peak ==");
+            let rows: Vec<&WorkloadReport> = round
+                .half_peak
+                .iter()
+                .flat_map(|h| [&h.echo, &h.fleet])
+                .collect();
+            println!("{}\n", comparison_table(&rows));
+        }
     }
-    println!("\n== ratios ==");
-    for r in &ratios {
+    if several {
+        println!(
+            "== ratios: the median of {} rounds (each round's) ==",
+            rounds.len()
+        );
+    } else {
+        println!("== ratios ==");
+    }
+    for r in ratios {
         let verdict = match r.met {
             Some(true) => "met",
             Some(false) => "MISSED",
             None => "n/a",
         };
+        let each = if several {
+            let values: Vec<String> = r
+                .rounds
+                .iter()
+                .map(|v| v.map_or_else(|| "-".into(), |v| format!("{v:.2}")))
+                .collect();
+            format!("  ({})", values.join(", "))
+        } else {
+            String::new()
+        };
         println!(
-            "{:<62} {:>8}  target {:<16} {verdict}",
+            "{:<62} {:>8}  target {:<16} {verdict}{each}",
             r.what,
             fmt_opt(r.value),
-            r.target
+            r.target.to_string()
         );
     }
-    if let Some(path) = &args.json {
-        let report = CompareReport {
-            peak,
-            half_peak,
-            ratios,
-        };
-        write_json(path, &report)?;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round(values: &[Option<f64>]) -> Vec<Ratio> {
+        values
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| Ratio::new(format!("r{i}"), v, Target::AtLeast(1.5)))
+            .collect()
     }
-    Ok(())
+
+    #[test]
+    fn each_ratio_is_the_median_of_its_rounds() {
+        let rounds = [
+            round(&[Some(1.4), Some(0.9)]),
+            round(&[Some(1.7), None]),
+            round(&[Some(1.6), Some(1.1)]),
+        ];
+        let ratios = median_ratios(&rounds);
+        assert_eq!(ratios.len(), 2);
+        assert_eq!(ratios[0].value, Some(1.6), "the middle of three");
+        assert_eq!(ratios[0].met, Some(true));
+        assert_eq!(ratios[0].rounds, [Some(1.4), Some(1.7), Some(1.6)]);
+        // A round without a value is left out: the median of two is their mean.
+        assert_eq!(ratios[1].value, Some(1.0));
+        assert_eq!(ratios[1].met, Some(false));
+        assert_eq!(ratios[1].rounds, [Some(0.9), None, Some(1.1)]);
+    }
+
+    #[test]
+    fn a_ratio_without_any_value_is_not_judged() {
+        let ratios = median_ratios(&[round(&[None]), round(&[None])]);
+        assert_eq!(ratios[0].value, None);
+        assert_eq!(ratios[0].met, None);
+    }
+
+    #[test]
+    fn targets_hold_their_bounds() {
+        assert!(Target::AtLeast(1.5).met(1.5) && !Target::AtLeast(1.5).met(1.49));
+        assert!(Target::AtMost(2.0).met(2.0) && !Target::AtMost(2.0).met(2.01));
+        assert!(Target::LowerIsBetter.met(0.9) && !Target::LowerIsBetter.met(1.1));
+        assert_eq!(Target::AtLeast(1.5).to_string(), ">= 1.5");
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0]), 2.5);
+        assert_eq!(median(Vec::new()), 0.0);
+    }
 }
