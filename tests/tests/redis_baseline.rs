@@ -409,7 +409,10 @@ async fn the_comparison_takes_the_median_of_its_rounds() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(stdout.contains("== ratios: the median of 2 rounds"), "{stdout}");
+    assert!(
+        stdout.contains("== ratios: the median of 2 rounds"),
+        "{stdout}"
+    );
 
     let report: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&json).expect("the JSON report")).expect("JSON");
@@ -431,7 +434,11 @@ async fn the_comparison_takes_the_median_of_its_rounds() {
         assert_eq!(half_peak.len(), 2, "unbatched and batched");
         rates.extend(half_peak.iter().map(|h| h["rate_per_sec"].as_f64()));
     }
-    assert_eq!(rates[..2], rates[2..], "both rounds' open loops at one rate");
+    assert_eq!(
+        rates[..2],
+        rates[2..],
+        "both rounds' open loops at one rate"
+    );
 
     let ratios = report["ratios"].as_array().expect("ratios");
     assert_eq!(ratios.len(), 8, "six at peak, two at half the peak");
