@@ -1152,7 +1152,7 @@ mod tests {
     #[test]
     fn a_log_sends_its_next_message_while_one_awaits_its_ack_but_no_more() {
         let mut logs = ClaimLogs::new("state".into());
-        let mut queue = |logs: &mut ClaimLogs, n: usize| {
+        let queue = |logs: &mut ClaimLogs, n: usize| {
             for _ in 0..n {
                 let change = EncodedChange {
                     bytes: vec![0xc0],
