@@ -17,11 +17,12 @@
 //! queue while its log messages are in flight (two at most) and leave together
 //! as the next one, so a burst of hits costs a handful of stored messages, not one
 //! each. A caller is answered only once the message holding its change is
-//! acknowledged. Bucket TATs are written behind into the same logs, coalesced
+//! acknowledged (a node batch's changes are submitted together, and its items
+//! answered once every message holding one of them is). Bucket TATs are written behind into the same logs, coalesced
 //! to at most one record per tenant per flush interval.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -703,14 +704,54 @@ fn check_replicas(store: &kv::Store, configured: usize) {
     }
 }
 
-/// Who waits for a write's ack.
-type Done = oneshot::Sender<Result<(), PersistError>>;
+/// Who waits for the changes it submitted together: answered once every
+/// message holding one of them is acknowledged, with the first failure if
+/// any. A node batch's changes are submitted together, so its items cost one
+/// channel send and one answer between them, not one each.
+struct Waiter {
+    /// Changes not yet acknowledged (or failed).
+    left: AtomicUsize,
+    failure: Mutex<Option<PersistError>>,
+    reply: Mutex<Option<oneshot::Sender<Result<(), PersistError>>>>,
+}
 
-/// What the commit loop is given: a change of a shard (a claim change or a
-/// tenant's TATs), for its log.
+/// A change's share of its [`Waiter`].
+type Done = Arc<Waiter>;
+
+impl Waiter {
+    fn new(changes: usize) -> (Done, oneshot::Receiver<Result<(), PersistError>>) {
+        let (reply, answer) = oneshot::channel();
+        let waiter = Self {
+            left: AtomicUsize::new(changes),
+            failure: Mutex::new(None),
+            reply: Mutex::new(Some(reply)),
+        };
+        (Arc::new(waiter), answer)
+    }
+
+    /// The message holding one of its changes was acknowledged, or failed.
+    fn settle(&self, result: &Result<(), PersistError>) {
+        if let Err(err) = result {
+            lock(&self.failure).get_or_insert_with(|| err.clone());
+        }
+        if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let outcome = lock(&self.failure).take().map_or(Ok(()), Err);
+            if let Some(reply) = lock(&self.reply).take() {
+                let _ = reply.send(outcome);
+            }
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // What these mutexes guard is valid whatever a panicking holder was doing.
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What the commit loop is given: changes of shards (claim changes or
+/// tenants' TATs) for their logs, and who waits for them.
 struct Submitted {
-    shard: u32,
-    change: EncodedChange,
+    changes: Vec<(u32, EncodedChange)>,
     done: Done,
 }
 
@@ -774,45 +815,49 @@ impl KvWriter {
     }
 
     /// Hands a change to the commit loop; returns once it is in JetStream.
-    async fn submit(&self, shard: u32, change: EncodedChange) -> Result<(), PersistError> {
-        let (done, ack) = oneshot::channel();
+    async fn submit(&self, changes: Vec<(u32, EncodedChange)>) -> Result<(), PersistError> {
+        if changes.is_empty() {
+            return Ok(());
+        }
+        let (done, ack) = Waiter::new(changes.len());
         self.tx
-            .send(Submitted {
-                shard,
-                change,
-                done,
-            })
+            .send(Submitted { changes, done })
             .await
             .map_err(|_| PersistError::Stopped)?;
         ack.await.map_err(|_| PersistError::Stopped)?
     }
 
-    /// Claims are durable when this returns; buckets are queued for the next flush.
-    pub async fn record(
+    /// The claims of every `(shard, tenant, changes)` are durable when this
+    /// returns (all of them, or an error); buckets are queued for the next
+    /// flush.
+    pub async fn record<'a>(
         &self,
-        shard: u32,
-        tenant: &str,
-        changes: &Changes,
+        items: impl IntoIterator<Item = (u32, &'a str, &'a Changes)>,
     ) -> Result<(), PersistError> {
-        if !changes.buckets.is_empty() {
-            let mut dirty = self.dirty.lock().unwrap_or_else(|p| p.into_inner());
-            let slot = dirty.entry((shard, tenant.to_string())).or_default();
-            for bucket in &changes.buckets {
-                slot[claimlog::kind_index(bucket.kind)] = Some(bucket.tat_us);
+        let mut claims = Vec::new();
+        {
+            let mut dirty = lock(&self.dirty);
+            for (shard, tenant, changes) in items {
+                if !changes.buckets.is_empty() {
+                    let slot = dirty.entry((shard, tenant.to_string())).or_default();
+                    for bucket in &changes.buckets {
+                        slot[claimlog::kind_index(bucket.kind)] = Some(bucket.tat_us);
+                    }
+                }
+                if let Some(change) = &changes.claim {
+                    // Encoded here, on the caller's task, so the commit loop
+                    // only frames bytes.
+                    claims.push((shard, EncodedChange::claim(shard, tenant, change)));
+                }
             }
         }
-        let Some(change) = &changes.claim else {
-            return Ok(());
-        };
-        // Encoded here, on the caller's task, so the commit loop only frames bytes.
-        self.submit(shard, EncodedChange::claim(shard, tenant, change))
-            .await
+        self.submit(claims).await
     }
 
     /// Writes the dirty buckets (of one shard, or all) now and waits for the acks.
     pub async fn flush_buckets(&self, shard: Option<u32>) {
         let batch: Vec<(DirtyTenant, DirtyTats)> = {
-            let mut dirty = self.dirty.lock().unwrap_or_else(|p| p.into_inner());
+            let mut dirty = lock(&self.dirty);
             match shard {
                 None => dirty.drain().collect(),
                 Some(s) => {
@@ -845,14 +890,14 @@ impl KvWriter {
                 .then(|| EncodedChange::buckets(*shard, tenant, &buckets, now_us));
             async move {
                 match change {
-                    Some(change) => self.submit(*shard, change).await,
+                    Some(change) => self.submit(vec![(*shard, change)]).await,
                     None => Ok(()),
                 }
             }
         });
         let results = futures::future::join_all(writes).await;
         let mut failed = 0;
-        let mut dirty = self.dirty.lock().unwrap_or_else(|p| p.into_inner());
+        let mut dirty = lock(&self.dirty);
         for ((tenant, tats), result) in batch.into_iter().zip(results) {
             if result.is_ok() {
                 continue;
@@ -1003,17 +1048,24 @@ async fn commit_loop(
                 let mut next = Some(first);
                 let mut yields = 0;
                 loop {
-                    while let Some(Submitted { shard, change, done }) = next.take() {
+                    while let Some(Submitted { changes, done }) = next.take() {
                         // Switching logs midway is safe: the replay does not
                         // depend on the order of two messages in flight at once.
-                        let id = if node_log.load(Ordering::Relaxed) {
-                            LogId::Node
-                        } else {
-                            LogId::Group(claimlog::log_of(shard))
-                        };
-                        logs.logs.entry(id).or_default().queue.push((change, done));
-                        if !ready.contains(&id) {
-                            ready.push(id);
+                        let node_log = node_log.load(Ordering::Relaxed);
+                        for (shard, change) in changes {
+                            let id = if node_log {
+                                LogId::Node
+                            } else {
+                                LogId::Group(claimlog::log_of(shard))
+                            };
+                            logs.logs
+                                .entry(id)
+                                .or_default()
+                                .queue
+                                .push((change, done.clone()));
+                            if !ready.contains(&id) {
+                                ready.push(id);
+                            }
                         }
                         next = rx.try_recv().ok();
                     }
@@ -1092,7 +1144,7 @@ async fn publish(
             metrics::counter!("ankusa_kv_write_failures_total").increment(1);
         }
         for done in waiters {
-            let _ = done.send(result.clone());
+            done.settle(&result);
         }
         log
     }
@@ -1150,6 +1202,37 @@ mod tests {
     }
 
     #[test]
+    fn changes_submitted_together_are_answered_once_all_are_in() {
+        // Three changes, say split over two messages; the second fails.
+        let (done, mut answer) = Waiter::new(3);
+        done.settle(&Ok(()));
+        assert!(answer.try_recv().is_err(), "two changes still out");
+        done.settle(&Err(PersistError::Write("no ack".into())));
+        assert!(answer.try_recv().is_err(), "one change still out");
+        done.settle(&Ok(()));
+        assert_eq!(
+            answer.try_recv().expect("answered"),
+            Err(PersistError::Write("no ack".into())),
+            "one failure fails them all"
+        );
+
+        let (done, mut answer) = Waiter::new(2);
+        done.settle(&Ok(()));
+        done.settle(&Ok(()));
+        assert_eq!(answer.try_recv().expect("answered"), Ok(()));
+
+        // A waiter dropped with changes out (the writer stopped) is no
+        // answer: the submitter reads it as `Stopped`.
+        let (done, mut answer) = Waiter::new(2);
+        done.settle(&Ok(()));
+        drop(done);
+        assert!(matches!(
+            answer.try_recv(),
+            Err(oneshot::error::TryRecvError::Closed)
+        ));
+    }
+
+    #[test]
     fn a_log_sends_its_next_message_while_one_awaits_its_ack_but_no_more() {
         let mut logs = ClaimLogs::new("state".into());
         let queue = |logs: &mut ClaimLogs, n: usize| {
@@ -1158,7 +1241,7 @@ mod tests {
                     bytes: vec![0xc0],
                     keep_until_us: now_unix_us() + 60_000_000,
                 };
-                let (done, _) = oneshot::channel();
+                let (done, _) = Waiter::new(1);
                 logs.logs
                     .entry(LogId::Node)
                     .or_default()

@@ -29,17 +29,25 @@ pub enum Persistence {
 }
 
 impl Persistence {
-    /// Makes `changes` of `tenant` on `shard` as durable as this persistence is:
-    /// returns once the claim change (if any) is acknowledged.
-    pub async fn record(
+    /// Makes the changes of every `(shard, tenant, changes)` as durable as this
+    /// persistence is: returns once their claim changes (if any) are all
+    /// acknowledged, in as few log messages as they fit.
+    pub async fn record<'a>(
         &self,
-        shard: u32,
-        tenant: &str,
-        changes: &Changes,
+        items: impl IntoIterator<Item = (u32, &'a str, &'a Changes)>,
     ) -> Result<(), PersistError> {
         match self {
             Persistence::Memory => Ok(()),
-            Persistence::Kv(writer) => writer.record(shard, tenant, changes).await,
+            Persistence::Kv(writer) => writer.record(items).await,
+        }
+    }
+
+    /// Whether both keep changes in the same place (one node's writer).
+    pub fn same_as(&self, other: &Persistence) -> bool {
+        match (self, other) {
+            (Persistence::Memory, Persistence::Memory) => true,
+            (Persistence::Kv(a), Persistence::Kv(b)) => Arc::ptr_eq(a, b),
+            _ => false,
         }
     }
 }

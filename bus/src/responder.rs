@@ -36,7 +36,7 @@ use futures::{FutureExt, StreamExt};
 use tokio::sync::{oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 
-use crate::persist::Persistence;
+use crate::persist::{PersistError, Persistence};
 use crate::protocol::{ErrorCode, ErrorReply, Op, Reply, ReplyBody, Request};
 use crate::shard::shard_of;
 
@@ -272,7 +272,7 @@ async fn run(
         let window = ctx.window.clone();
         let node = node.clone();
         tokio::spawn(async move {
-            let body = answer.await;
+            let body = answer.await.durable_body().await;
             if !window_open(&window) {
                 // The lease lapsed while this was in flight: someone else owns the
                 // shard now and answers for it.
@@ -322,8 +322,14 @@ impl NodeResponder {
 
 /// One item's answer on the node subject, with what it holds until sent.
 struct RoutedAnswer {
-    body: ReplyBody,
-    /// The item's shard window, checked again just before the reply leaves.
+    answer: Answer,
+    hold: ShardHold,
+}
+
+/// What an item holds of its shard until its reply leaves: the shard's
+/// window, checked again just before, and its place among the shard's
+/// requests in flight (a release waits for it).
+struct ShardHold {
     window: Option<ServeWindow>,
     _in_flight: Option<InFlightGuard>,
 }
@@ -332,18 +338,22 @@ impl RoutedAnswer {
     /// An answer known at once, held by no shard.
     fn unrouted(body: ReplyBody) -> BoxFuture<'static, Self> {
         futures::future::ready(Self {
-            body,
-            window: None,
-            _in_flight: None,
+            answer: Answer::now(body),
+            hold: ShardHold {
+                window: None,
+                _in_flight: None,
+            },
         })
         .boxed()
     }
+}
 
-    /// The body to send: an error if the shard's lease lapsed meanwhile, since
+impl ShardHold {
+    /// `body`, or an error if the shard's lease lapsed meanwhile, since
     /// another node may be answering for it by now.
-    fn into_body(self) -> ReplyBody {
+    fn checked(self, body: ReplyBody) -> ReplyBody {
         if window_open(&self.window) {
-            self.body
+            body
         } else {
             metrics::counter!("ankusa_requests_dropped_total", "why" => "lease").increment(1);
             unavailable("the shard's lease lapsed while this was in flight")
@@ -399,10 +409,14 @@ async fn run_node(
         let client = client.clone();
         tokio::spawn(async move {
             let answers = join_all(answers).await;
+            // The items' changes leave together: one submission, in as few
+            // log messages as they fit.
+            let held = answers.into_iter().map(|a| (a.answer, a.hold)).collect();
             let body = ReplyBody::Batch(
-                answers
+                durable_bodies(held)
+                    .await
                     .into_iter()
-                    .map(|a| Reply::new(a.into_body()))
+                    .map(|(body, hold)| Reply::new(hold.checked(body)))
                     .collect(),
             );
             count(&body);
@@ -423,7 +437,8 @@ async fn answer_lone(
     answer: BoxFuture<'static, RoutedAnswer>,
     in_flight: InFlightGuard,
 ) {
-    let body = answer.await.into_body();
+    let RoutedAnswer { answer, hold } = answer.await;
+    let body = hold.checked(answer.durable_body().await);
     count(&body);
     send_reply(&client, reply_to, Reply::new(body)).await;
     drop(in_flight);
@@ -473,9 +488,11 @@ fn route(
     drop(served);
     async move {
         RoutedAnswer {
-            body: answer.await,
-            window,
-            _in_flight: Some(guard),
+            answer: answer.await,
+            hold: ShardHold {
+                window,
+                _in_flight: Some(guard),
+            },
         }
     }
     .boxed()
@@ -569,8 +586,8 @@ impl Tally {
     }
 }
 
-fn ready(body: ReplyBody) -> BoxFuture<'static, ReplyBody> {
-    futures::future::ready(body).boxed()
+fn ready(body: ReplyBody) -> BoxFuture<'static, Answer> {
+    futures::future::ready(Answer::now(body)).boxed()
 }
 
 fn refused(why: Refused) -> ReplyBody {
@@ -586,12 +603,99 @@ fn unavailable(message: impl Into<String>) -> ReplyBody {
     ReplyBody::Error(ErrorReply::new(ErrorCode::Unavailable, message))
 }
 
+/// What the actors answered, and the changes that must be durable before
+/// the answer may leave.
+struct Answer {
+    body: ReplyBody,
+    durable: Option<Durable>,
+}
+
+/// Changes of one tenant, and where they are kept.
+struct Durable {
+    persistence: Persistence,
+    shard: u32,
+    tenant: String,
+    changes: Changes,
+}
+
+impl Answer {
+    /// An answer that changed nothing.
+    fn now(body: ReplyBody) -> Self {
+        Self {
+            body,
+            durable: None,
+        }
+    }
+
+    /// An answer that may leave once `changes` are durable.
+    fn after(body: ReplyBody, durable: Durable) -> Self {
+        Self {
+            body,
+            durable: (!durable.changes.is_empty()).then_some(durable),
+        }
+    }
+
+    /// The body to send, once this answer's changes are durable.
+    async fn durable_body(self) -> ReplyBody {
+        let Some(d) = &self.durable else {
+            return self.body;
+        };
+        let items = [(d.shard, d.tenant.as_str(), &d.changes)];
+        match d.persistence.record(items).await {
+            Ok(()) => self.body,
+            Err(err) => not_persisted(&err),
+        }
+    }
+}
+
+fn not_persisted(err: &PersistError) -> ReplyBody {
+    unavailable(format!("not persisted: {err}"))
+}
+
+/// The bodies to send for `answers` (each with what it carries along), once
+/// their changes are durable: all changes kept in one place are recorded
+/// together, and an answer whose changes could not be recorded becomes an
+/// error.
+async fn durable_bodies<T>(answers: Vec<(Answer, T)>) -> Vec<(ReplyBody, T)> {
+    let mut failed: Vec<Option<PersistError>> = vec![None; answers.len()];
+    let mut left: Vec<usize> = (0..answers.len())
+        .filter(|&i| answers[i].0.durable.is_some())
+        .collect();
+    // A node keeps every shard's changes in one place, so this loop runs once.
+    while let Some(&first) = left.first() {
+        let Some(place) = answers[first].0.durable.as_ref().map(|d| &d.persistence) else {
+            break;
+        };
+        let (together, rest): (Vec<usize>, Vec<usize>) = left.iter().partition(|&&i| {
+            answers[i]
+                .0
+                .durable
+                .as_ref()
+                .is_some_and(|d| d.persistence.same_as(place))
+        });
+        let items = together.iter().filter_map(|&i| {
+            let d = answers[i].0.durable.as_ref()?;
+            Some((d.shard, d.tenant.as_str(), &d.changes))
+        });
+        if let Err(err) = place.record(items).await {
+            for &i in &together {
+                failed[i] = Some(err.clone());
+            }
+        }
+        left = rest;
+    }
+    answers
+        .into_iter()
+        .zip(failed)
+        .map(|((answer, carried), failed)| match failed {
+            Some(err) => (not_persisted(&err), carried),
+            None => (answer.body, carried),
+        })
+        .collect()
+}
+
 /// Hands one request to the actor now and returns the future of its answer.
-fn dispatch(
-    ctx: &ShardContext,
-    request: Request,
-    received: Instant,
-) -> BoxFuture<'static, ReplyBody> {
+fn dispatch(ctx: &ShardContext, request: Request, received: Instant) -> BoxFuture<'static, Answer> {
     if let Err(err) = request.validate() {
         return ready(ReplyBody::Error(err));
     }
@@ -629,11 +733,17 @@ fn dispatch(
             let (shard, persistence) = (ctx.shard, ctx.persistence.clone());
             async move {
                 match rx.await {
-                    Ok(Ok(changes)) => persisted(&persistence, shard, &tenant, &changes)
-                        .await
-                        .unwrap_or(ReplyBody::Reset),
-                    Ok(Err(why)) => refused(why),
-                    Err(_) => unavailable("shard actor dropped the request"),
+                    Ok(Ok(changes)) => Answer::after(
+                        ReplyBody::Reset,
+                        Durable {
+                            persistence,
+                            shard,
+                            tenant,
+                            changes,
+                        },
+                    ),
+                    Ok(Err(why)) => Answer::now(refused(why)),
+                    Err(_) => Answer::now(unavailable("shard actor dropped the request")),
                 }
             }
             .boxed()
@@ -644,8 +754,14 @@ fn dispatch(
                 .map(|item| dispatch(ctx, item, received))
                 .collect();
             async move {
-                let bodies = join_all(answers).await;
-                ReplyBody::Batch(bodies.into_iter().map(Reply::new).collect())
+                let answers = join_all(answers).await;
+                let bodies = durable_bodies(answers.into_iter().map(|a| (a, ())).collect()).await;
+                Answer::now(ReplyBody::Batch(
+                    bodies
+                        .into_iter()
+                        .map(|(body, ())| Reply::new(body))
+                        .collect(),
+                ))
             }
             .boxed()
         }
@@ -653,43 +769,32 @@ fn dispatch(
 }
 
 /// Hands a hit or settle to its tenant's actor; the future answers its outcome
-/// once the changes it made are persisted.
+/// and the changes it made, to be made durable before it leaves.
 fn apply<R: TenantRequest>(
     ctx: &ShardContext,
     req: R,
     deadline: Option<Instant>,
     body: fn(R::Outcome) -> ReplyBody,
-) -> BoxFuture<'static, ReplyBody> {
+) -> BoxFuture<'static, Answer> {
     let tenant = req.tenant_name().to_owned();
     let rx = ctx.actors.ask(req, deadline);
     let (shard, persistence) = (ctx.shard, ctx.persistence.clone());
     async move {
         match rx.await {
-            Ok(Ok(applied)) => persisted(&persistence, shard, &tenant, &applied.changes)
-                .await
-                .unwrap_or(body(applied.outcome)),
-            Ok(Err(why)) => refused(why),
-            Err(_) => unavailable("shard actor dropped the request"),
+            Ok(Ok(applied)) => Answer::after(
+                body(applied.outcome),
+                Durable {
+                    persistence,
+                    shard,
+                    tenant,
+                    changes: applied.changes,
+                },
+            ),
+            Ok(Err(why)) => Answer::now(refused(why)),
+            Err(_) => Answer::now(unavailable("shard actor dropped the request")),
         }
     }
     .boxed()
-}
-
-/// `None` once the changes are as durable as the persistence makes them, or
-/// the error to answer instead of the outcome.
-async fn persisted(
-    persistence: &Persistence,
-    shard: u32,
-    tenant: &str,
-    changes: &Changes,
-) -> Option<ReplyBody> {
-    if changes.is_empty() {
-        return None;
-    }
-    match persistence.record(shard, tenant, changes).await {
-        Ok(()) => None,
-        Err(err) => Some(unavailable(format!("not persisted: {err}"))),
-    }
 }
 
 #[cfg(test)]

@@ -129,7 +129,10 @@ async fn write_claims(
                     claim: Some(ClaimChange::Put(committed(i, expires_us))),
                     buckets: Default::default(),
                 };
-                writer.record(shard, &tenant, &changes).await.is_ok()
+                writer
+                    .record([(shard, tenant.as_str(), &changes)])
+                    .await
+                    .is_ok()
             }
         })
         .buffer_unordered(concurrency.max(1))

@@ -341,7 +341,7 @@ pub async fn seed_parked(global: &Global, args: &SeedArgs) -> Result<(), CliErro
             };
             let shard = ankusa_bus::shard_of(&tenant, global.shards);
             writer
-                .record(shard, &tenant, &changes)
+                .record([(shard, tenant.as_str(), &changes)])
                 .await
                 .map_err(|e| CliError::Other(format!("recording tenant {tenant}: {e}")))?;
         }
