@@ -278,11 +278,11 @@ impl FleetStore {
         shard_of(tenant, self.inner.shards)
     }
 
-    /// Sends `op` to the tenant's shard and waits for its reply body, all within
-    /// `timeout`.
-    async fn call(&self, tenant: &str, op: Op, timeout: Duration) -> Result<ReplyBody, StoreError> {
+    /// Sends `op` to its tenant's shard and waits for its reply body, all
+    /// within `timeout`.
+    async fn call(&self, shard: u32, op: Op, timeout: Duration) -> Result<ReplyBody, StoreError> {
         let deadline = Instant::now() + timeout;
-        let shard = self.shard_of(tenant) as usize;
+        let shard = shard as usize;
         let batchable = self.inner.batching && matches!(op, Op::Hit(_) | Op::Settle(_));
         let work = async {
             if batchable {
@@ -661,8 +661,8 @@ impl Drop for LaneHandoff {
 impl Store for FleetStore {
     async fn hit(&self, req: HitRequest, timeout: Duration) -> Result<HitOutcome, StoreError> {
         req.validate()?;
-        let tenant = req.tenant().to_owned();
-        match self.call(&tenant, Op::Hit(req), timeout).await? {
+        let shard = self.shard_of(req.tenant());
+        match self.call(shard, Op::Hit(req), timeout).await? {
             ReplyBody::Hit(outcome) => Ok(outcome),
             other => Err(StoreError::unexpected("hit", other)),
         }
@@ -674,8 +674,8 @@ impl Store for FleetStore {
         timeout: Duration,
     ) -> Result<SettleOutcome, StoreError> {
         req.validate()?;
-        let tenant = req.claim.tenant.clone();
-        match self.call(&tenant, Op::Settle(req), timeout).await? {
+        let shard = self.shard_of(&req.claim.tenant);
+        match self.call(shard, Op::Settle(req), timeout).await? {
             ReplyBody::Settle(outcome) => Ok(outcome),
             other => Err(StoreError::unexpected("settle", other)),
         }
@@ -684,7 +684,7 @@ impl Store for FleetStore {
     async fn reset(&self, tenant: String, timeout: Duration) -> Result<(), StoreError> {
         ankusa_actors::types::validate_tenant(&tenant)?;
         match self
-            .call(&tenant.clone(), Op::Reset { tenant }, timeout)
+            .call(self.shard_of(&tenant), Op::Reset { tenant }, timeout)
             .await?
         {
             ReplyBody::Reset => Ok(()),

@@ -491,25 +491,20 @@ async fn compare(global: &Global, args: &BenchArgs, cfg: WorkloadConfig) -> Resu
             .map_err(|e| CliError::Baseline(e.to_string()))?,
     );
     let rounds = args.rounds.max(1) as usize;
-    let of_rounds = |round: usize| {
+    let announce = |round: usize, what: &str| {
         if rounds > 1 {
-            format!(" (round {round} of {rounds})")
-        } else {
-            String::new()
+            eprintln!("bench: round {round} of {rounds}, {what}");
         }
     };
 
     let mut peaks = Vec::with_capacity(rounds);
     for round in 1..=rounds {
-        eprintln!("bench: echo, {}{} ...", cfg.mode_label(), of_rounds(round));
+        announce(round, "peak");
+        eprintln!("bench: echo, {} ...", cfg.mode_label());
         let echo_peak = workload::run(Arc::clone(&echo), &cfg)
             .await?
             .labelled("echo");
-        eprintln!(
-            "bench: redis-lua, {}{} ...",
-            cfg.mode_label(),
-            of_rounds(round)
-        );
+        eprintln!("bench: redis-lua, {} ...", cfg.mode_label());
         let redis_peak = workload::run(Arc::clone(&redis), &cfg)
             .await?
             .labelled("redis-lua");
@@ -535,6 +530,7 @@ async fn compare(global: &Global, args: &BenchArgs, cfg: WorkloadConfig) -> Resu
     let mut half_peaks: Vec<Vec<HalfPeak>> = (0..rounds).map(|_| Vec::new()).collect();
     if !args.no_half_peak {
         for (round, half_peak) in half_peaks.iter_mut().enumerate() {
+            announce(round + 1, "open loops at half the peak");
             for (batching, peak) in modes {
                 let rate = (peak * 0.5).max(1.0);
                 let open = WorkloadConfig {
@@ -548,11 +544,7 @@ async fn compare(global: &Global, args: &BenchArgs, cfg: WorkloadConfig) -> Resu
                 let f = run_fleet(global, &open, &args.workload, batching)
                     .await?
                     .labelled(label);
-                eprintln!(
-                    "bench: echo, {}{} ...",
-                    open.mode_label(),
-                    of_rounds(round + 1)
-                );
+                eprintln!("bench: echo, {} ...", open.mode_label());
                 let e = workload::run(Arc::clone(&echo), &open)
                     .await?
                     .labelled(if batching { "echo@50%b" } else { "echo@50%" });
