@@ -5,7 +5,9 @@
 
 use std::hint::black_box;
 
-use ankusa_actors::{Charge, Claim, HitOutcome, HitRequest, Kind, SettleRequest, Settlement};
+use ankusa_actors::{
+    Charge, Claim, HitOutcome, HitRequest, Kind, SettleOutcome, SettleRequest, Settlement,
+};
 use ankusa_bus::protocol::{Op, Reply, ReplyBody, Request};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 
@@ -65,6 +67,19 @@ fn protocol(c: &mut Criterion) {
     ));
     group.bench_function(format!("encode_reply_of_{BATCH}"), |b| {
         b.iter(|| black_box(black_box(&reply).encode()))
+    });
+    // What an edge reads back at the peak: hits' and settles' answers mixed.
+    let mixed = Reply::new(ReplyBody::Batch(
+        (0..BATCH)
+            .map(|i| match i % 2 {
+                0 => Reply::new(ReplyBody::Hit(HitOutcome::Ok)),
+                _ => Reply::new(ReplyBody::Settle(SettleOutcome::Ok)),
+            })
+            .collect(),
+    ))
+    .encode();
+    group.bench_function(format!("decode_reply_of_{BATCH}"), |b| {
+        b.iter(|| black_box(Reply::decode(black_box(&mixed))))
     });
     group.finish();
 }
