@@ -344,14 +344,7 @@ impl Ratio {
     fn median_of(rounds: &[&Ratio]) -> Option<Self> {
         let first = rounds.first()?;
         let values: Vec<Option<f64>> = rounds.iter().map(|r| r.value).collect();
-        let mut known: Vec<f64> = values.iter().flatten().copied().collect();
-        known.sort_by(f64::total_cmp);
-        let mid = known.len() / 2;
-        let median = match known.len() {
-            0 => None,
-            n if n % 2 == 1 => Some(known[mid]),
-            _ => Some((known[mid - 1] + known[mid]) / 2.0),
-        };
+        let median = median(values.iter().flatten().copied().collect());
         Some(Self {
             rounds: values,
             ..Self::new(first.what.clone(), median, first.target)
@@ -466,13 +459,13 @@ impl Peaks {
     }
 }
 
-/// The median of some figures (0 without any).
-fn median(mut values: Vec<f64>) -> f64 {
+/// The median of some figures (`None` without any).
+fn median(mut values: Vec<f64>) -> Option<f64> {
     values.sort_by(f64::total_cmp);
     match values.len() {
-        0 => 0.0,
-        n if n % 2 == 1 => values[n / 2],
-        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+        0 => None,
+        n if n % 2 == 1 => Some(values[n / 2]),
+        n => Some((values[n / 2 - 1] + values[n / 2]) / 2.0),
     }
 }
 
@@ -520,7 +513,7 @@ async fn compare(global: &Global, args: &BenchArgs, cfg: WorkloadConfig) -> Resu
 
     // Every round's open loops run at one rate: half the fleet's median peak.
     let median_peak = |pick: fn(&Peaks) -> &WorkloadReport| {
-        median(peaks.iter().map(|p| pick(p).hits_per_sec).collect())
+        median(peaks.iter().map(|p| pick(p).hits_per_sec).collect()).unwrap_or(0.0)
     };
     let echo_peak = median_peak(|p| &p.echo);
     let modes: [(bool, f64); 2] = [
@@ -681,8 +674,8 @@ mod tests {
         assert!(Target::AtMost(2.0).met(2.0) && !Target::AtMost(2.0).met(2.01));
         assert!(Target::LowerIsBetter.met(0.9) && !Target::LowerIsBetter.met(1.1));
         assert_eq!(Target::AtLeast(1.5).to_string(), ">= 1.5");
-        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(vec![4.0, 1.0]), 2.5);
-        assert_eq!(median(Vec::new()), 0.0);
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median(vec![4.0, 1.0]), Some(2.5));
+        assert_eq!(median(Vec::new()), None);
     }
 }
