@@ -31,6 +31,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::connect::{ConnectError, NatsOptions};
+use crate::lock;
 use crate::protocol::{ErrorCode, Op, Reply, ReplyBody, Request, MAX_BATCH, MAX_REQUEST_BYTES};
 use crate::shard::{shard_of, InstanceError, Subjects, MAX_SHARDS};
 use crate::store::{Store, StoreError};
@@ -166,11 +167,6 @@ impl Lane {
 }
 
 type LaneRef = Arc<Mutex<Lane>>;
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // Every value guarded here is valid whatever a panicking holder was doing.
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// A node that answered for a shard, and its subject.
 #[derive(Clone)]

@@ -14,12 +14,13 @@
 //!
 //! Tenants and keys never appear in a KV key in clear: any bytes are safe.
 //! Claims go through [`KvWriter`], a group commit: a node's claim changes
-//! queue while its log messages are in flight (two at most) and leave together
-//! as the next one, so a burst of hits costs a handful of stored messages, not one
-//! each. A caller is answered only once the message holding its change is
-//! acknowledged (a node batch's changes are submitted together, and its items
-//! answered once every message holding one of them is). Bucket TATs are written behind into the same logs, coalesced
-//! to at most one record per tenant per flush interval.
+//! queue while its log messages are in flight (two at most) and leave
+//! together as the next one, so a burst of hits costs a handful of stored
+//! messages, not one each. A caller is answered only once the message holding
+//! its change is acknowledged (a node batch's changes are submitted together,
+//! and its items answered once every message holding one of them is). Bucket
+//! TATs are written behind into the same logs, coalesced to at most one record
+//! per tenant per flush interval.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -37,6 +38,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::claimlog::{self, EncodedChange, Replay};
+use crate::lock;
 use crate::persist::PersistError;
 
 /// Why a KV operation failed.
@@ -743,11 +745,6 @@ impl Waiter {
     }
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // What these mutexes guard is valid whatever a panicking holder was doing.
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// What the commit loop is given: changes of shards (claim changes or
 /// tenants' TATs) for their logs, and who waits for them.
 struct Submitted {
@@ -814,7 +811,7 @@ impl KvWriter {
         self.node_log.swap(on, Ordering::Relaxed)
     }
 
-    /// Hands a change to the commit loop; returns once it is in JetStream.
+    /// Hands changes to the commit loop; returns once all are in JetStream.
     async fn submit(&self, changes: Vec<(u32, EncodedChange)>) -> Result<(), PersistError> {
         if changes.is_empty() {
             return Ok(());

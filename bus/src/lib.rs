@@ -31,3 +31,9 @@ pub use local::{LocalConfig, LocalStore};
 pub use protocol::{DecodeError, ErrorCode, ErrorReply, Op, Reply, ReplyBody, Request};
 pub use shard::{shard_of, Subjects};
 pub use store::{Store, StoreError};
+
+/// Locks `mutex`, even one a panicking holder left poisoned: every value this
+/// crate guards with a mutex is valid whatever its holder was doing.
+pub(crate) fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
