@@ -354,8 +354,8 @@ impl Ratio {
 
 /// The ratios of several rounds, each the median of its rounds' values.
 /// Every round lists the same ratios in the same order.
-fn median_ratios(rounds: &[Vec<Ratio>]) -> Vec<Ratio> {
-    let count = rounds.iter().map(Vec::len).min().unwrap_or(0);
+fn median_ratios(rounds: &[&[Ratio]]) -> Vec<Ratio> {
+    let count = rounds.iter().map(|r| r.len()).min().unwrap_or(0);
     (0..count)
         .filter_map(|i| Ratio::median_of(&rounds.iter().map(|r| &r[i]).collect::<Vec<_>>()))
         .collect()
@@ -562,7 +562,8 @@ async fn compare(global: &Global, args: &BenchArgs, cfg: WorkloadConfig) -> Resu
             half_peak,
         })
         .collect();
-    let ratios = median_ratios(&rounds.iter().map(|r| r.ratios.clone()).collect::<Vec<_>>());
+    let each: Vec<&[Ratio]> = rounds.iter().map(|r| r.ratios.as_slice()).collect();
+    let ratios = median_ratios(&each);
     print_comparison(&cfg, &rounds, &ratios);
     if let Some(path) = &args.json {
         write_json(path, &CompareReport { rounds, ratios })?;
@@ -650,7 +651,7 @@ mod tests {
             round(&[Some(1.7), None]),
             round(&[Some(1.6), Some(1.1)]),
         ];
-        let ratios = median_ratios(&rounds);
+        let ratios = median_ratios(&rounds.each_ref().map(Vec::as_slice));
         assert_eq!(ratios.len(), 2);
         assert_eq!(ratios[0].value, Some(1.6), "the middle of three");
         assert_eq!(ratios[0].met, Some(true));
@@ -663,7 +664,8 @@ mod tests {
 
     #[test]
     fn a_ratio_without_any_value_is_not_judged() {
-        let ratios = median_ratios(&[round(&[None]), round(&[None])]);
+        let (a, b) = (round(&[None]), round(&[None]));
+        let ratios = median_ratios(&[&a, &b]);
         assert_eq!(ratios[0].value, None);
         assert_eq!(ratios[0].met, None);
     }
