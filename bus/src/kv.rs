@@ -23,7 +23,7 @@
 //! per tenant per flush interval.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -710,11 +710,14 @@ fn check_replicas(store: &kv::Store, configured: usize) {
 /// message holding one of them is acknowledged, with the first failure if
 /// any. A node batch's changes are submitted together, so its items cost one
 /// channel send and one answer between them, not one each.
-struct Waiter {
+struct Waiter(Mutex<Waiting>);
+
+struct Waiting {
     /// Changes not yet acknowledged (or failed).
-    left: AtomicUsize,
-    failure: Mutex<Option<PersistError>>,
-    reply: Mutex<Option<oneshot::Sender<Result<(), PersistError>>>>,
+    left: usize,
+    /// The first failure among them.
+    failure: Option<PersistError>,
+    reply: Option<oneshot::Sender<Result<(), PersistError>>>,
 }
 
 /// A change's share of its [`Waiter`].
@@ -723,22 +726,24 @@ type Done = Arc<Waiter>;
 impl Waiter {
     fn new(changes: usize) -> (Done, oneshot::Receiver<Result<(), PersistError>>) {
         let (reply, answer) = oneshot::channel();
-        let waiter = Self {
-            left: AtomicUsize::new(changes),
-            failure: Mutex::new(None),
-            reply: Mutex::new(Some(reply)),
+        let waiting = Waiting {
+            left: changes,
+            failure: None,
+            reply: Some(reply),
         };
-        (Arc::new(waiter), answer)
+        (Arc::new(Self(Mutex::new(waiting))), answer)
     }
 
     /// The message holding one of its changes was acknowledged, or failed.
     fn settle(&self, result: &Result<(), PersistError>) {
+        let mut waiting = lock(&self.0);
         if let Err(err) = result {
-            lock(&self.failure).get_or_insert_with(|| err.clone());
+            waiting.failure.get_or_insert_with(|| err.clone());
         }
-        if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
-            let outcome = lock(&self.failure).take().map_or(Ok(()), Err);
-            if let Some(reply) = lock(&self.reply).take() {
+        waiting.left = waiting.left.saturating_sub(1);
+        if waiting.left == 0 {
+            let outcome = waiting.failure.take().map_or(Ok(()), Err);
+            if let Some(reply) = waiting.reply.take() {
                 let _ = reply.send(outcome);
             }
         }
@@ -974,6 +979,13 @@ impl ClaimLogs {
         }
     }
 
+    /// A message of log `id` was acknowledged (or failed): its room is free.
+    fn acknowledged(&mut self, id: LogId) {
+        if let Some(log) = self.logs.get_mut(&id) {
+            log.in_flight = log.in_flight.saturating_sub(1);
+        }
+    }
+
     /// Takes the next message of log `id` (its queued changes, up to the size
     /// limit), unless the log has as many in flight as it may or nothing waits.
     fn next_message(&mut self, id: LogId) -> Option<(Write, Vec<Done>)> {
@@ -1082,9 +1094,7 @@ async fn commit_loop(
                 metrics::gauge!("ankusa_kv_writes_in_flight").set(acks.len() as f64);
             }
             Some(id) = acks.next(), if !acks.is_empty() => {
-                if let Some(log) = logs.logs.get_mut(&id) {
-                    log.in_flight -= 1;
-                }
+                logs.acknowledged(id);
                 send_next(&js, &mut logs, id, &mut acks).await;
                 metrics::gauge!("ankusa_kv_writes_in_flight").set(acks.len() as f64);
             }
@@ -1257,8 +1267,7 @@ mod tests {
             logs.next_message(LogId::Node).is_none(),
             "a third waits for an ack"
         );
-        // What the commit loop does when an ack comes in.
-        logs.logs.get_mut(&LogId::Node).expect("the log").in_flight -= 1;
+        logs.acknowledged(LogId::Node);
         let (_, third) = logs.next_message(LogId::Node).expect("then it leaves");
         assert_eq!(third.len(), 4, "with everything that waited");
         assert!(logs.next_message(LogId::Node).is_none(), "nothing waits");
