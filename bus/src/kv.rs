@@ -99,6 +99,23 @@ pub struct Heartbeat {
     pub claim_log_format: u32,
 }
 
+/// A change to the heartbeats, as a watch of them delivers it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NodeChange {
+    /// A node's heartbeat, first or renewed.
+    Beat(Heartbeat),
+    /// The node left, or its heartbeat lapsed.
+    Gone(String),
+}
+
+/// One change from [`FleetKv::watch_nodes`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeEvent {
+    pub change: NodeChange,
+    /// Whether the watch has delivered every heartbeat there was when it began.
+    pub caught_up: bool,
+}
+
 impl Heartbeat {
     /// Whether every node of `live` reads the node log, so that this one may
     /// write it: whichever takes over a shard must see its changes.
@@ -437,9 +454,29 @@ impl FleetKv {
             .map_err(request_err)
     }
 
-    /// Changes to the heartbeats (joins, leaves and renewals).
-    pub async fn watch_nodes(&self) -> Result<kv::Watch, KvError> {
-        self.nodes.watch_all().await.map_err(request_err)
+    /// Every node's latest heartbeat, then each change to them (joins,
+    /// renewals, leaves and lapses), for as long as the watch lasts. One
+    /// consumer for the watch's life, where [`Self::live_nodes`] makes one a
+    /// call.
+    pub async fn watch_nodes(
+        &self,
+    ) -> Result<impl futures::Stream<Item = Result<NodeEvent, KvError>> + Send, KvError> {
+        let watch = self
+            .nodes
+            .watch_with_history(">")
+            .await
+            .map_err(request_err)?;
+        Ok(watch.map(|entry| {
+            let entry = entry.map_err(request_err)?;
+            let change = match entry.operation {
+                kv::Operation::Put => NodeChange::Beat(decode(&entry.key, &entry.value)?),
+                kv::Operation::Delete | kv::Operation::Purge => NodeChange::Gone(entry.key),
+            };
+            Ok(NodeEvent {
+                change,
+                caught_up: entry.delta == 0,
+            })
+        }))
     }
 
     /// Every node whose heartbeat is live.

@@ -32,8 +32,9 @@ pub use protocol::{DecodeError, ErrorCode, ErrorReply, Op, Reply, ReplyBody, Req
 pub use shard::{shard_of, Subjects};
 pub use store::{Store, StoreError};
 
-/// Locks `mutex`, even one a panicking holder left poisoned: every value this
-/// crate guards with a mutex is valid whatever its holder was doing.
-pub(crate) fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+/// Locks `mutex`, even one a panicking holder left poisoned: for values that
+/// are valid whatever their holder was doing, as every value this crate (and
+/// the node) guards with a mutex is.
+pub fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -1,7 +1,8 @@
 //! Fleet mode: which shards this node serves, agreed with the other nodes of the
 //! instance through JetStream KV, and kept durable there.
 //!
-//! Every `lease_renew_ms` a node heartbeats, reads the live nodes, and computes
+//! Every `lease_renew_ms` a node heartbeats, reads the live nodes (kept by
+//! [`Membership`] from a watch of the heartbeats), and computes
 //! each shard's target owner by rendezvous (highest random weight) hashing, so a
 //! node joining takes about S/N shards and one leaving spreads its shards over
 //! the rest; nothing else moves. It renews the leases it holds, hands back the
@@ -23,14 +24,13 @@ use ankusa_bus::claimlog;
 use ankusa_bus::kv::{within, FleetKv, Heartbeat, KvWriter, LeaseError};
 use ankusa_bus::persist::Persistence;
 use ankusa_bus::responder::ServeWindow;
-use async_nats::jetstream::kv::Operation;
-use futures::StreamExt;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::config::NodeConfig;
 use crate::health::Health;
 use crate::host::ShardHost;
+use crate::membership::Membership;
 use crate::run::{export_stats, shard_config};
 
 /// Why fleet mode stopped.
@@ -93,6 +93,7 @@ struct Fleet {
     host: ShardHost,
     held: BTreeMap<u32, Held>,
     live: BTreeSet<String>,
+    membership: Membership,
     health: Arc<Health>,
     started_ms: u64,
     /// When the held leases were last renewed.
@@ -124,7 +125,14 @@ impl Fleet {
         if let Err(err) = within(bound, self.kv.heartbeat(&beat, self.config.lease_ttl())).await {
             tracing::warn!(error = %err, "heartbeat failed");
         }
-        match within(bound, self.kv.live_nodes()).await {
+        let nodes = match self.membership.live(self.config.lease_ttl()) {
+            Some(nodes) => Ok(nodes),
+            None => {
+                metrics::counter!("ankusa_membership_listings_total").increment(1);
+                within(bound, self.kv.live_nodes()).await
+            }
+        };
+        match nodes {
             Ok(nodes) => {
                 let node_log = Heartbeat::all_read_node_log(&nodes);
                 let format = if node_log {
@@ -439,32 +447,6 @@ async fn open_kv(
     }
 }
 
-/// Wakes the ownership loop whenever the set of live nodes changes (a join, a
-/// graceful leave, or a heartbeat lapsing), so it is acted on at once rather
-/// than at the next round. Renewals of known heartbeats wake nobody.
-fn watch_membership(kv: FleetKv, wake: Arc<Notify>) {
-    tokio::spawn(async move {
-        let mut known = BTreeSet::new();
-        loop {
-            match kv.watch_nodes().await {
-                Ok(mut changes) => {
-                    while let Some(Ok(entry)) = changes.next().await {
-                        let changed = match entry.operation {
-                            Operation::Put => known.insert(entry.key),
-                            Operation::Delete | Operation::Purge => known.remove(&entry.key),
-                        };
-                        if changed {
-                            wake.notify_one();
-                        }
-                    }
-                }
-                Err(err) => tracing::debug!(error = %err, "membership watch failed; retrying"),
-            }
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        }
-    });
-}
-
 pub async fn run(
     config: NodeConfig,
     client: async_nats::Client,
@@ -488,8 +470,11 @@ pub async fn run(
         Persistence::Kv(writer.clone()),
     )
     .with_node_subject(&config.node_id);
+    // Wakes the ownership loop whenever the set of live nodes changes (a
+    // join, a graceful leave, or a heartbeat lapsing), so it is acted on at
+    // once rather than at the next round.
     let wake = Arc::new(Notify::new());
-    watch_membership(kv.clone(), wake.clone());
+    let membership = Membership::watch(kv.clone(), &config.node_id, wake.clone());
     let renew_every = Duration::from_millis(config.lease_renew_ms);
     // How long a stop waits for the round under way.
     let finish_grace = config.lease_ttl();
@@ -502,6 +487,7 @@ pub async fn run(
         host,
         held: BTreeMap::new(),
         live: BTreeSet::new(),
+        membership,
         health,
     };
     let mut next_round = Instant::now();

@@ -4,6 +4,7 @@
 //! - [`config`]: file, environment and flags, validated;
 //! - [`host`]: the shards served now, each an actor and a responder;
 //! - [`fleet`]: shard ownership through KV leases, balance, handoff;
+//! - [`membership`]: the live nodes, from a watch of their heartbeats;
 //! - [`run`]: the node's life from start to graceful stop;
 //! - [`health`], [`http`]: readiness and the operator endpoints;
 //! - [`cli`]: the `ankusa` command line (hit, settle, reset, status, bench).
@@ -15,4 +16,5 @@ pub mod fleet;
 pub mod health;
 pub mod host;
 pub mod http;
+pub mod membership;
 pub mod run;

@@ -3,8 +3,9 @@
 //!
 //! Balance (joins move only the shards rendezvous hashing assigns to the new
 //! node, leaves hand theirs over), durability of claims across kill -9 and a
-//! nats-server restart, fencing of a paused (zombie) node, and the claim log
-//! format a fleet writes beside a node of an earlier release.
+//! nats-server restart, fencing of a paused (zombie) node, the claim log
+//! format a fleet writes beside a node of an earlier release, and membership
+//! read from one watch of the heartbeats (not a consumer made every round).
 
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
@@ -762,6 +763,66 @@ async fn burst(store: &FleetStore, round: &str) {
         results.iter().all(|r| r == &Ok(HitOutcome::Ok)),
         "{results:?}"
     );
+}
+
+/// The consumers JetStream holds on the heartbeats' stream.
+async fn heartbeat_consumers(nats: &NatsServer) -> usize {
+    let js = async_nats::jetstream::new(nats.connect().await.expect("connect"));
+    let mut stream = js
+        .get_stream("KV_ankusa_test_nodes")
+        .await
+        .expect("nodes stream");
+    stream
+        .info()
+        .await
+        .expect("stream info")
+        .state
+        .consumer_count
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rounds_read_the_live_nodes_from_a_watch_not_a_consumer_each() {
+    let nats = NatsServer::start().await.expect("nats");
+    let kv = kv(&nats).await;
+    let nodes = [node("node-a", &nats), node("node-b", &nats)];
+    wait_balanced(&kv, &["node-a", "node-b"], Duration::from_secs(20)).await;
+    let listings = "ankusa_membership_listings_total";
+    let (listed, consumers) = (
+        sum_metric(&nodes, listings).await,
+        heartbeat_consumers(&nats).await,
+    );
+    // Eight rounds of each node (`lease_renew_ms` 400).
+    tokio::time::sleep(Duration::from_millis(3_200)).await;
+    let (listed_after, consumers_after) = (
+        sum_metric(&nodes, listings).await,
+        heartbeat_consumers(&nats).await,
+    );
+    println!(
+        "listings {listed} -> {listed_after}, heartbeat consumers {consumers} -> {consumers_after}"
+    );
+    assert_eq!(
+        listed_after, listed,
+        "rounds listed the nodes instead of reading the watch"
+    );
+    assert!(
+        consumers_after <= consumers,
+        "consumers on the heartbeats grew from {consumers} to {consumers_after}"
+    );
+
+    // The watch still sees a node's heartbeat lapse, and a node join.
+    let [a, mut b] = nodes;
+    b.kill().await.expect("kill -9");
+    let killed = Instant::now();
+    wait_balanced(&kv, &["node-a"], Duration::from_secs(20)).await;
+    let _c = node("node-c", &nats);
+    let joined = Instant::now();
+    wait_balanced(&kv, &["node-a", "node-c"], Duration::from_secs(20)).await;
+    println!(
+        "rebalanced {:?} after the kill, {:?} after the join",
+        joined - killed,
+        joined.elapsed()
+    );
+    drop(a);
 }
 
 async fn node_batches(nodes: &[NodeProcess]) -> f64 {

@@ -1,0 +1,202 @@
+//! The live nodes of the instance, kept from one watch of their heartbeats.
+//!
+//! Every ownership round needs the live nodes. Listing them from KV makes a
+//! JetStream consumer each time, on every node, every round, each left for the
+//! server to reap (tens per node at any moment, and in a clustered JetStream
+//! each one a proposal to the meta leader). A watch is one consumer for the
+//! node's life: [`Membership`] keeps what it delivers, and a round lists only
+//! while the watch cannot be trusted (before it has caught up, or when this
+//! node's own heartbeats stop coming back through it).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ankusa_bus::kv::{FleetKv, Heartbeat, KvError, NodeChange, NodeEvent};
+use ankusa_bus::lock;
+use futures::StreamExt;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+/// The heartbeats a watch has delivered, each with when it came.
+#[derive(Debug)]
+struct View {
+    me: String,
+    beats: BTreeMap<String, (Heartbeat, Instant)>,
+    caught_up: bool,
+}
+
+impl View {
+    fn new(me: String) -> Self {
+        Self {
+            me,
+            beats: BTreeMap::new(),
+            caught_up: false,
+        }
+    }
+
+    /// Takes in one event; says whether the set of nodes changed.
+    fn apply(&mut self, event: NodeEvent, at: Instant) -> bool {
+        self.caught_up |= event.caught_up;
+        match event.change {
+            NodeChange::Beat(beat) => self.beats.insert(beat.node.clone(), (beat, at)).is_none(),
+            NodeChange::Gone(node) => self.beats.remove(&node).is_some(),
+        }
+    }
+
+    /// Forgets everything, for a watch that begins again.
+    fn reset(&mut self) {
+        self.beats.clear();
+        self.caught_up = false;
+    }
+
+    /// The heartbeats seen within `ttl` (a heartbeat lives that long), if the
+    /// view is current: caught up, and this node's own heartbeat seen within
+    /// `ttl` — a watch that stopped delivering would keep nodes that left.
+    fn live(&self, now: Instant, ttl: Duration) -> Option<Vec<Heartbeat>> {
+        let fresh = |at: &Instant| now.saturating_duration_since(*at) < ttl;
+        let mine = self.beats.get(&self.me).is_some_and(|(_, at)| fresh(at));
+        if !(self.caught_up && mine) {
+            return None;
+        }
+        Some(
+            self.beats
+                .values()
+                .filter(|(_, at)| fresh(at))
+                .map(|(beat, _)| beat.clone())
+                .collect(),
+        )
+    }
+}
+
+/// The live nodes as the watch of their heartbeats knows them.
+#[derive(Clone)]
+pub struct Membership {
+    view: Arc<Mutex<View>>,
+}
+
+/// Pause before watching again after a watch failed or ended.
+const REWATCH_AFTER: Duration = Duration::from_secs(1);
+
+impl Membership {
+    /// Starts watching the heartbeats; `wake` is notified whenever a node
+    /// joins, leaves or lapses (renewals of known nodes wake nobody).
+    pub fn watch(kv: FleetKv, me: &str, wake: Arc<Notify>) -> Self {
+        let view = Arc::new(Mutex::new(View::new(me.to_string())));
+        let kept = view.clone();
+        tokio::spawn(async move {
+            loop {
+                match kv.watch_nodes().await {
+                    Ok(events) => {
+                        tokio::pin!(events);
+                        while let Some(event) = events.next().await {
+                            match event {
+                                Ok(event) => {
+                                    if lock(&kept).apply(event, Instant::now()) {
+                                        wake.notify_one();
+                                    }
+                                }
+                                Err(err @ KvError::Corrupt { .. }) => {
+                                    tracing::warn!(error = %err, "unreadable heartbeat; skipped")
+                                }
+                                Err(err) => {
+                                    tracing::debug!(error = %err, "membership watch failed");
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                    Err(err) => tracing::debug!(error = %err, "cannot watch membership"),
+                }
+                lock(&kept).reset();
+                tokio::time::sleep(REWATCH_AFTER).await;
+            }
+        });
+        Self { view }
+    }
+
+    /// The live nodes' heartbeats, or `None` while the watch is not to be
+    /// trusted (then list them from KV).
+    pub fn live(&self, ttl: Duration) -> Option<Vec<Heartbeat>> {
+        lock(&self.view).live(Instant::now(), ttl)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TTL: Duration = Duration::from_secs(2);
+
+    fn beat(node: &str) -> NodeEvent {
+        NodeEvent {
+            change: NodeChange::Beat(Heartbeat {
+                node: node.into(),
+                started_ms: 1,
+                http: None,
+                claim_log_format: 2,
+            }),
+            caught_up: true,
+        }
+    }
+
+    fn nodes(view: &View, now: Instant) -> Option<Vec<String>> {
+        view.live(now, TTL)
+            .map(|beats| beats.into_iter().map(|b| b.node).collect())
+    }
+
+    #[test]
+    fn the_view_lists_the_nodes_heard_within_a_heartbeat_lifetime() {
+        let t0 = Instant::now();
+        let mut view = View::new("a".into());
+        assert!(view.apply(beat("a"), t0), "a new node is a change");
+        assert!(view.apply(beat("b"), t0));
+        assert!(!view.apply(beat("b"), t0 + TTL / 2), "a renewal is not");
+        assert!(view.apply(beat("c"), t0));
+        assert!(view.apply(
+            NodeEvent {
+                change: NodeChange::Gone("c".into()),
+                caught_up: true
+            },
+            t0
+        ));
+        assert_eq!(nodes(&view, t0), Some(vec!["a".into(), "b".into()]));
+        // `a` renews; `b`'s last heartbeat lapses without a marker saying so.
+        view.apply(beat("a"), t0 + TTL);
+        assert_eq!(
+            nodes(&view, t0 + TTL + TTL / 4),
+            Some(vec!["a".into(), "b".into()])
+        );
+        assert_eq!(nodes(&view, t0 + TTL * 3 / 2), Some(vec!["a".into()]));
+    }
+
+    #[test]
+    fn the_view_is_not_trusted_before_it_caught_up_or_without_this_nodes_heartbeat() {
+        let t0 = Instant::now();
+        let mut view = View::new("a".into());
+        let mut early = beat("b");
+        early.caught_up = false;
+        view.apply(early, t0);
+        assert_eq!(nodes(&view, t0), None, "more heartbeats were still coming");
+        view.apply(beat("b"), t0);
+        assert_eq!(
+            nodes(&view, t0),
+            None,
+            "this node's own heartbeat is missing"
+        );
+        view.apply(beat("a"), t0);
+        assert_eq!(nodes(&view, t0), Some(vec!["a".into(), "b".into()]));
+        assert_eq!(
+            nodes(&view, t0 + TTL),
+            None,
+            "no heartbeat came back for a lifetime"
+        );
+        view.reset();
+        view.apply(beat("a"), t0 + TTL);
+        assert_eq!(
+            nodes(&view, t0 + TTL),
+            Some(vec!["a".into()]),
+            "a watch begun again starts from what it delivers"
+        );
+    }
+}
