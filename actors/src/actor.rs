@@ -12,7 +12,9 @@
 //! [`ShardConfig::idle_after`] is retired: its state comes back to the shard,
 //! which drops it when empty (buckets full, no live claim) or keeps it parked in a
 //! plain map, a few dozen bytes a tenant, until the tenant is heard from again.
-//! Expired claims are swept on the shard's tick, never with a timer per claim.
+//! Expired claims are swept on the shard's tick, never with a timer per claim,
+//! each shard at its own point of the sweep period so that a node's shards do
+//! not all scan their claims at once.
 //!
 //! Fairness: each tenant has a bounded queue. A tenant flooding its shard is shed
 //! with [`Refused::Overloaded`] at the shard, so the other tenants of the shard,
@@ -596,8 +598,14 @@ impl Actor for ShardActor {
         _myself: ActorRef<ShardMsg>,
         args: ShardArgs,
     ) -> Result<ShardState, ActorProcessingErr> {
+        // Shards started together would sweep together: every claim of the
+        // node scanned in one burst on its one thread, stalling its requests
+        // for milliseconds at a million claims. Each starts its period at a
+        // point of its own, so their sweeps spread over the period.
+        let period_us = (args.config.sweep_every.as_micros() as u64).max(1);
+        let phase_us = ahash::RandomState::new().hash_one(0u8) % period_us;
         let mut state = ShardState {
-            last_sweep_us: args.config.clock.now_us(),
+            last_sweep_us: args.config.clock.now_us().saturating_sub(phase_us),
             config: args.config,
             running: args.running,
             parked: HashMap::new(),

@@ -366,6 +366,44 @@ async fn parked_tenants_whose_claims_expire_are_dropped_by_the_sweep() {
 }
 
 #[tokio::test]
+async fn shards_started_together_sweep_at_different_times() {
+    // Each shard parks one tenant whose claim expires 5 ms in; with a sweep
+    // every 10 ms, the step at which a shard drops it is when it next sweeps.
+    let clock = ManualClock::new(T0);
+    let mut shards = Vec::new();
+    for _ in 0..16 {
+        let shard = spawn_shard(config(&clock, 1, 10), vec![], None)
+            .await
+            .unwrap();
+        let mut c = claim("acme", "evt-1", "hook-1");
+        c.pending_ttl_ms = 5;
+        assert_eq!(hit(&shard, claim_only(c)).await, HitOutcome::Ok);
+        shards.push(shard);
+    }
+    let mut dropped_at = vec![None; shards.len()];
+    for step in 1..=25 {
+        clock.advance_us(MS);
+        for (shard, dropped) in shards.iter().zip(dropped_at.iter_mut()) {
+            tick(shard);
+            if dropped.is_none() && stats(shard).await.claims == 0 {
+                *dropped = Some(step);
+            }
+        }
+    }
+    assert!(
+        dropped_at
+            .iter()
+            .all(|d| d.is_some_and(|step| (5..=20).contains(&step))),
+        "every shard sweeps within a period of the claim's expiry: {dropped_at:?}"
+    );
+    let steps: std::collections::BTreeSet<_> = dropped_at.iter().collect();
+    assert!(
+        steps.len() > 1,
+        "all 16 shards swept at the same step: {dropped_at:?}"
+    );
+}
+
+#[tokio::test]
 async fn jobs_past_their_deadline_are_refused_untouched() {
     let clock = ManualClock::new(T0);
     let shard = spawn_shard(config(&clock, 60_000, 60_000), vec![], None)
