@@ -603,6 +603,8 @@ impl Actor for ShardActor {
         // for milliseconds at a million claims. Each starts its period at a
         // point of its own, so their sweeps spread over the period.
         let period_us = (args.config.sweep_every.as_micros() as u64).max(1);
+        // A fresh `RandomState` is freshly keyed: its hash of anything is a
+        // random number, without a dependency for one.
         let phase_us = ahash::RandomState::new().hash_one(0u8) % period_us;
         let mut state = ShardState {
             last_sweep_us: args.config.clock.now_us().saturating_sub(phase_us),
