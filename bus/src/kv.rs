@@ -283,7 +283,7 @@ impl FleetKv {
         let nodes_bucket = format!("ankusa_{instance}_nodes");
         // Nobody watches the state bucket, and a load skips markers: there an
         // expiry marker would only be one more stored message, and one more
-        // expiry, for every claim-log message (docs/benchmarks.md, session 22).
+        // expiry, for every claim-log message (docs/benchmarks-history.md, session 22).
         // The nodes' watch learns of a dead node from its heartbeat's marker.
         let state = BucketSpec {
             name: &state_bucket,
@@ -523,7 +523,7 @@ impl FleetKv {
     /// (`c.<shard>.*`), so such a node's claims survive an upgrade. A node
     /// log message may hold any shard's changes. Filters do not pay: one pass
     /// over the bucket took nats-server less CPU than one filtered load per
-    /// shard (docs/benchmarks.md, session 20), and JetStream refuses filters
+    /// shard (docs/benchmarks-history.md, session 20), and JetStream refuses filters
     /// that overlap.
     pub async fn load_shards(
         &self,

@@ -9,7 +9,7 @@ use clap::Parser;
 
 // A request allocates a few dozen small, short-lived objects across threads;
 // glibc malloc spent a fifth of the node's CPU on them at peak (its
-// consolidation and free-list walks: docs/benchmarks.md).
+// consolidation and free-list walks: docs/benchmarks-history.md, session 13).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
