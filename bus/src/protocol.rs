@@ -315,22 +315,26 @@ impl Request {
             Op::Reset { tenant } => {
                 ankusa_actors::types::validate_tenant(tenant).map_err(ErrorReply::invalid)
             }
-            Op::Batch(items) => {
-                if items.len() > MAX_BATCH {
-                    return Err(ErrorReply::new(
-                        ErrorCode::TooLarge,
-                        format!("batch of {} requests exceeds {MAX_BATCH}", items.len()),
-                    ));
-                }
-                if items.iter().any(|r| matches!(r.op, Op::Batch(_))) {
-                    return Err(ErrorReply::new(
-                        ErrorCode::Malformed,
-                        "a batch may not contain a batch",
-                    ));
-                }
-                Ok(())
-            }
+            Op::Batch(items) => Self::validate_batch(items),
         }
+    }
+
+    /// Checks a batch's items as a whole: their number, and no batch among
+    /// them (each item's own rules are its own `validate`).
+    pub fn validate_batch(items: &[Request]) -> Result<(), ErrorReply> {
+        if items.len() > MAX_BATCH {
+            return Err(ErrorReply::new(
+                ErrorCode::TooLarge,
+                format!("batch of {} requests exceeds {MAX_BATCH}", items.len()),
+            ));
+        }
+        if items.iter().any(|r| matches!(r.op, Op::Batch(_))) {
+            return Err(ErrorReply::new(
+                ErrorCode::Malformed,
+                "a batch may not contain a batch",
+            ));
+        }
+        Ok(())
     }
 
     /// The tenant this request is for, when it names exactly one.

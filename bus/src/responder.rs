@@ -29,10 +29,9 @@ use std::sync::OnceLock;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use ankusa_actors::actor::{ShardHandle, ShardMsg};
-use ankusa_actors::{Changes, Refused, TenantRequest};
-use futures::future::{join_all, BoxFuture};
-use futures::{FutureExt, StreamExt};
+use ankusa_actors::actor::{Reply as ActorReply, ShardHandle, ShardMsg};
+use ankusa_actors::{Changes, HitOutcome, Refused, SettleOutcome, TenantRequest};
+use futures::StreamExt;
 use tokio::sync::{oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 
@@ -136,6 +135,11 @@ impl ShardTable {
 
     fn leave(&self, shard: u32) {
         self.write().remove(&shard);
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<u32, Routed>> {
+        // The map is valid whatever a panicking holder was doing.
+        self.0.served.read().unwrap_or_else(|p| p.into_inner())
     }
 
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<u32, Routed>> {
@@ -263,16 +267,25 @@ async fn run(
             continue;
         };
         let received = Instant::now();
-        let (op, answer) = match Request::decode(&message.payload) {
-            Ok(request) => (request.op.name(), dispatch(&ctx, request, received)),
-            Err(err) => ("undecodable", ready(ReplyBody::Error(err.into()))),
+        let (op, asked) = match Request::decode(&message.payload) {
+            Ok(request) => (request.op.name(), ask_shard(&ctx, request, received)),
+            Err(err) => (
+                "undecodable",
+                Asked::One(Pending::Now(ReplyBody::Error(err.into()))),
+            ),
         };
         let guard = in_flight.enter();
         let client = client.clone();
         let window = ctx.window.clone();
         let node = node.clone();
         tokio::spawn(async move {
-            let body = answer.await.durable_body().await;
+            let body = match asked {
+                Asked::One(pending) => pending.answer().await.durable_body().await,
+                Asked::Batch(items) => {
+                    let items = items.into_iter().map(|pending| (pending, ())).collect();
+                    batch_body(answer_batch(items).await)
+                }
+            };
             if !window_open(&window) {
                 // The lease lapsed while this was in flight: someone else owns the
                 // shard now and answers for it.
@@ -294,6 +307,33 @@ async fn run(
     let _ = subscription.unsubscribe().await;
     in_flight.wait_idle().await;
     let _ = client.flush().await;
+}
+
+/// What a request asked: one answer, or a batch's, in order.
+enum Asked<T> {
+    One(T),
+    Batch(Vec<T>),
+}
+
+/// Hands a request on the shard's subject (a lone call or a batch) to the
+/// shard's actors.
+fn ask_shard(ctx: &ShardContext, request: Request, received: Instant) -> Asked<Pending> {
+    match request {
+        Request {
+            op: Op::Batch(items),
+            timeout_ms,
+            ..
+        } => match admit(timeout_ms, Request::validate_batch(&items)) {
+            Ok(()) => Asked::Batch(
+                items
+                    .into_iter()
+                    .map(|item| dispatch(ctx, item, received))
+                    .collect(),
+            ),
+            Err(body) => Asked::One(Pending::Now(body)),
+        },
+        lone => Asked::One(dispatch(ctx, lone, received)),
+    }
 }
 
 /// A node's responder on its own subject: batches whose items may be for any
@@ -320,35 +360,23 @@ impl NodeResponder {
     }
 }
 
-/// One item's answer on the node subject, with what it holds until sent.
-struct RoutedAnswer {
-    answer: Answer,
-    hold: ShardHold,
-}
-
-/// What an item holds of its shard until its reply leaves: the shard's
-/// window, checked again just before, and its place among the shard's
-/// requests in flight (a release waits for it).
+/// What an item on the node subject holds of its shard until its reply
+/// leaves: the shard's window, checked again just before, and its place among
+/// the shard's requests in flight (a release waits for it).
 struct ShardHold {
     window: Option<ServeWindow>,
     _in_flight: Option<InFlightGuard>,
 }
 
-impl RoutedAnswer {
-    /// An answer known at once, held by no shard.
-    fn unrouted(body: ReplyBody) -> BoxFuture<'static, Self> {
-        futures::future::ready(Self {
-            answer: Answer::now(body),
-            hold: ShardHold {
-                window: None,
-                _in_flight: None,
-            },
-        })
-        .boxed()
-    }
-}
-
 impl ShardHold {
+    /// Held by no shard: an item answered without reaching one.
+    fn none() -> Self {
+        Self {
+            window: None,
+            _in_flight: None,
+        }
+    }
+
     /// `body`, or an error if the shard's lease lapsed meanwhile, since
     /// another node may be answering for it by now.
     fn checked(self, body: ReplyBody) -> ReplyBody {
@@ -380,40 +408,24 @@ async fn run_node(
             continue;
         };
         let received = Instant::now();
-        let items = match Request::decode(&message.payload) {
-            Ok(Request {
-                op: Op::Batch(items),
-                ..
-            }) => items,
-            // A lone call (or what did not decode) is answered as itself, not
-            // as a batch of one.
-            lone => {
-                let answer = match lone {
-                    Ok(request) => route(&table, request, received),
-                    Err(err) => RoutedAnswer::unrouted(ReplyBody::Error(err.into())),
-                };
+        let items = match ask_node(&table, &message.payload, received) {
+            Asked::Batch(items) => items,
+            // A lone call is answered as itself, not as a batch of one.
+            Asked::One(lone) => {
                 tokio::spawn(answer_lone(
                     client.clone(),
                     reply_to,
-                    answer,
+                    lone,
                     in_flight.enter(),
                 ));
                 continue;
             }
         };
-        let answers: Vec<_> = items
-            .into_iter()
-            .map(|item| route(&table, item, received))
-            .collect();
         let guard = in_flight.enter();
         let client = client.clone();
         tokio::spawn(async move {
-            let answers = join_all(answers).await;
-            // The items' changes leave together: one submission, in as few
-            // log messages as they fit.
-            let held = answers.into_iter().map(|a| (a.answer, a.hold)).collect();
             let body = ReplyBody::Batch(
-                durable_bodies(held)
+                answer_batch(items)
                     .await
                     .into_iter()
                     .map(|(body, hold)| Reply::new(hold.checked(body)))
@@ -431,14 +443,40 @@ async fn run_node(
     let _ = client.flush().await;
 }
 
+/// Hands a request on the node's subject (a batch, or a lone call) to the
+/// actors of the shards it is for. A batch's items are all handed over before
+/// any answer is awaited, under one look at the table.
+fn ask_node(table: &ShardTable, payload: &[u8], received: Instant) -> Asked<(Pending, ShardHold)> {
+    let unheld = |body| Asked::One((Pending::Now(body), ShardHold::none()));
+    match Request::decode(payload) {
+        Err(err) => unheld(ReplyBody::Error(err.into())),
+        Ok(Request {
+            op: Op::Batch(items),
+            timeout_ms,
+            ..
+        }) => match admit(timeout_ms, Request::validate_batch(&items)) {
+            Ok(()) => {
+                let served = table.read();
+                Asked::Batch(
+                    items
+                        .into_iter()
+                        .map(|item| route(&served, table.0.shards, item, received))
+                        .collect(),
+                )
+            }
+            Err(body) => unheld(body),
+        },
+        Ok(lone) => Asked::One(route(&table.read(), table.0.shards, lone, received)),
+    }
+}
+
 async fn answer_lone(
     client: async_nats::Client,
     reply_to: async_nats::Subject,
-    answer: BoxFuture<'static, RoutedAnswer>,
+    (pending, hold): (Pending, ShardHold),
     in_flight: InFlightGuard,
 ) {
-    let RoutedAnswer { answer, hold } = answer.await;
-    let body = hold.checked(answer.durable_body().await);
+    let body = hold.checked(pending.answer().await.durable_body().await);
     count(&body);
     send_reply(&client, reply_to, Reply::new(body)).await;
     drop(in_flight);
@@ -452,28 +490,32 @@ async fn send_reply(client: &async_nats::Client, reply_to: async_nats::Subject, 
     }
 }
 
-/// Hands one request to the shard its tenant belongs to, if this node serves it.
+/// Hands one request to the shard its tenant belongs to, if this node serves
+/// it (`served`: the [`ShardTable`]'s, read once for a whole batch).
 fn route(
-    table: &ShardTable,
+    served: &HashMap<u32, Routed>,
+    shards: u32,
     request: Request,
     received: Instant,
-) -> BoxFuture<'static, RoutedAnswer> {
+) -> (Pending, ShardHold) {
+    let unheld = |body| (Pending::Now(body), ShardHold::none());
+    if let Err(body) = admit(request.timeout_ms, request.validate()) {
+        return unheld(body);
+    }
     let not_here = |message: String| {
-        RoutedAnswer::unrouted(ReplyBody::Error(ErrorReply::new(
+        unheld(ReplyBody::Error(ErrorReply::new(
             ErrorCode::WrongNode,
             message,
         )))
     };
     let Some(tenant) = request.tenant() else {
-        // Only a batch has no tenant, and a batch inside a batch does not decode.
-        let body = ReplyBody::Error(ErrorReply::new(
+        // Only a batch has no tenant, and a batch inside a batch is not admitted.
+        return unheld(ReplyBody::Error(ErrorReply::new(
             ErrorCode::Malformed,
             "a batch inside a batch",
-        ));
-        return RoutedAnswer::unrouted(body);
+        )));
     };
-    let shard = shard_of(tenant, table.0.shards);
-    let served = table.0.served.read().unwrap_or_else(|p| p.into_inner());
+    let shard = shard_of(tenant, shards);
     let Some(routed) = served.get(&shard) else {
         return not_here(format!("this node does not serve shard {shard}"));
     };
@@ -482,20 +524,11 @@ fn route(
     }
     // Entered under the table's lock: a release that has left the table waits
     // for every item entered before it.
-    let guard = routed.in_flight.enter();
-    let window = routed.ctx.window.clone();
-    let answer = dispatch(&routed.ctx, request, received);
-    drop(served);
-    async move {
-        RoutedAnswer {
-            answer: answer.await,
-            hold: ShardHold {
-                window,
-                _in_flight: Some(guard),
-            },
-        }
-    }
-    .boxed()
+    let hold = ShardHold {
+        window: routed.ctx.window.clone(),
+        _in_flight: Some(routed.in_flight.enter()),
+    };
+    (hand_over(&routed.ctx, request, received), hold)
 }
 
 fn window_open(window: &Option<ServeWindow>) -> bool {
@@ -586,10 +619,6 @@ impl Tally {
     }
 }
 
-fn ready(body: ReplyBody) -> BoxFuture<'static, Answer> {
-    futures::future::ready(Answer::now(body)).boxed()
-}
-
 fn refused(why: Refused) -> ReplyBody {
     ReplyBody::Error(match why {
         Refused::Invalid(invalid) => ErrorReply::invalid(invalid),
@@ -603,6 +632,50 @@ fn unavailable(message: impl Into<String>) -> ReplyBody {
     ReplyBody::Error(ErrorReply::new(ErrorCode::Unavailable, message))
 }
 
+/// A request handed to the actors, or answered at once.
+enum Pending {
+    Now(ReplyBody),
+    Hit(ActorAnswer<HitOutcome>, Place),
+    Settle(ActorAnswer<SettleOutcome>, Place),
+    Reset(oneshot::Receiver<Result<Changes, Refused>>, Place),
+}
+
+type ActorAnswer<T> = oneshot::Receiver<ActorReply<T>>;
+
+/// Where a request's changes are kept: its tenant, its shard, and how.
+struct Place {
+    persistence: Persistence,
+    shard: u32,
+    tenant: String,
+}
+
+impl Pending {
+    /// The actors' answer, with the changes it made.
+    async fn answer(self) -> Answer {
+        let (result, place) = match self {
+            Pending::Now(body) => return Answer::now(body),
+            Pending::Hit(rx, place) => (applied(rx.await, ReplyBody::Hit), place),
+            Pending::Settle(rx, place) => (applied(rx.await, ReplyBody::Settle), place),
+            Pending::Reset(rx, place) => {
+                (rx.await.map(|r| r.map(|c| (ReplyBody::Reset, c))), place)
+            }
+        };
+        match result {
+            Ok(Ok((body, changes))) => Answer::after(body, Durable { place, changes }),
+            Ok(Err(why)) => Answer::now(refused(why)),
+            Err(_) => Answer::now(unavailable("shard actor dropped the request")),
+        }
+    }
+}
+
+/// An actor's reply as a body and the changes behind it.
+fn applied<T, E>(
+    received: Result<ActorReply<T>, E>,
+    body: fn(T) -> ReplyBody,
+) -> Result<Result<(ReplyBody, Changes), Refused>, E> {
+    received.map(|reply| reply.map(|applied| (body(applied.outcome), applied.changes)))
+}
+
 /// What the actors answered, and the changes that must be durable before
 /// the answer may leave.
 struct Answer {
@@ -612,10 +685,14 @@ struct Answer {
 
 /// Changes of one tenant, and where they are kept.
 struct Durable {
-    persistence: Persistence,
-    shard: u32,
-    tenant: String,
+    place: Place,
     changes: Changes,
+}
+
+impl Durable {
+    fn item(&self) -> (u32, &str, &Changes) {
+        (self.place.shard, self.place.tenant.as_str(), &self.changes)
+    }
 }
 
 impl Answer {
@@ -640,8 +717,7 @@ impl Answer {
         let Some(d) = &self.durable else {
             return self.body;
         };
-        let items = [(d.shard, d.tenant.as_str(), &d.changes)];
-        match d.persistence.record(items).await {
+        match d.place.persistence.record([d.item()]).await {
             Ok(()) => self.body,
             Err(err) => not_persisted(&err),
         }
@@ -650,6 +726,27 @@ impl Answer {
 
 fn not_persisted(err: &PersistError) -> ReplyBody {
     unavailable(format!("not persisted: {err}"))
+}
+
+/// The bodies of a batch's items (each with what it carries along), once all
+/// are answered and their changes durable. Awaited in order: the batch waits
+/// for every answer anyway, and one that came in meanwhile is taken at once,
+/// without a future per item.
+async fn answer_batch<T>(items: Vec<(Pending, T)>) -> Vec<(ReplyBody, T)> {
+    let mut answers = Vec::with_capacity(items.len());
+    for (pending, carried) in items {
+        answers.push((pending.answer().await, carried));
+    }
+    durable_bodies(answers).await
+}
+
+fn batch_body(bodies: Vec<(ReplyBody, ())>) -> ReplyBody {
+    ReplyBody::Batch(
+        bodies
+            .into_iter()
+            .map(|(body, ())| Reply::new(body))
+            .collect(),
+    )
 }
 
 /// The bodies to send for `answers` (each with what it carries along), once
@@ -663,7 +760,12 @@ async fn durable_bodies<T>(answers: Vec<(Answer, T)>) -> Vec<(ReplyBody, T)> {
         .collect();
     // A node keeps every shard's changes in one place, so this loop runs once.
     while let Some(&first) = left.first() {
-        let Some(place) = answers[first].0.durable.as_ref().map(|d| &d.persistence) else {
+        let Some(place) = answers[first]
+            .0
+            .durable
+            .as_ref()
+            .map(|d| &d.place.persistence)
+        else {
             break;
         };
         let (together, rest): (Vec<usize>, Vec<usize>) = left.iter().partition(|&&i| {
@@ -671,12 +773,11 @@ async fn durable_bodies<T>(answers: Vec<(Answer, T)>) -> Vec<(ReplyBody, T)> {
                 .0
                 .durable
                 .as_ref()
-                .is_some_and(|d| d.persistence.same_as(place))
+                .is_some_and(|d| d.place.persistence.same_as(place))
         });
-        let items = together.iter().filter_map(|&i| {
-            let d = answers[i].0.durable.as_ref()?;
-            Some((d.shard, d.tenant.as_str(), &d.changes))
-        });
+        let items = together
+            .iter()
+            .filter_map(|&i| answers[i].0.durable.as_ref().map(Durable::item));
         if let Err(err) = place.record(items).await {
             for &i in &together {
                 failed[i] = Some(err.clone());
@@ -694,21 +795,29 @@ async fn durable_bodies<T>(answers: Vec<(Answer, T)>) -> Vec<(ReplyBody, T)> {
         .collect()
 }
 
-/// Hands one request to the actor now and returns the future of its answer.
-fn dispatch(ctx: &ShardContext, request: Request, received: Instant) -> BoxFuture<'static, Answer> {
-    if let Err(err) = request.validate() {
-        return ready(ReplyBody::Error(err));
-    }
-    if request.timeout_ms == 0 {
-        return ready(ReplyBody::Error(ErrorReply::new(
+/// The checks on a request itself, before it is handed to anyone: its rules,
+/// and a budget left.
+fn admit(timeout_ms: u64, rules: Result<(), ErrorReply>) -> Result<(), ReplyBody> {
+    rules.map_err(ReplyBody::Error)?;
+    if timeout_ms == 0 {
+        return Err(ReplyBody::Error(ErrorReply::new(
             ErrorCode::DeadlineExpired,
             "timeout_ms is 0: the caller has already given up",
         )));
     }
+    Ok(())
+}
+
+/// Hands one request on the shard's subject to the actor now, once admitted
+/// and found to be the shard's.
+fn dispatch(ctx: &ShardContext, request: Request, received: Instant) -> Pending {
+    if let Err(body) = admit(request.timeout_ms, request.validate()) {
+        return Pending::Now(body);
+    }
     if let Some(tenant) = request.tenant() {
         let owner = shard_of(tenant, ctx.shards);
         if owner != ctx.shard {
-            return ready(ReplyBody::Error(ErrorReply::new(
+            return Pending::Now(ReplyBody::Error(ErrorReply::new(
                 ErrorCode::WrongShard,
                 format!(
                     "tenant belongs to shard {owner} of {}, not {}",
@@ -717,84 +826,45 @@ fn dispatch(ctx: &ShardContext, request: Request, received: Instant) -> BoxFutur
             )));
         }
     }
+    hand_over(ctx, request, received)
+}
+
+/// Hands an admitted request for the shard of `ctx` to its actor: a hit or
+/// settle to its tenant's, a reset to the shard's.
+fn hand_over(ctx: &ShardContext, request: Request, received: Instant) -> Pending {
     let deadline = Some(received + Duration::from_millis(request.timeout_ms));
+    let place = |tenant: &str| Place {
+        persistence: ctx.persistence.clone(),
+        shard: ctx.shard,
+        tenant: tenant.to_owned(),
+    };
     match request.op {
-        Op::Hit(req) => apply(ctx, req, deadline, ReplyBody::Hit),
-        Op::Settle(req) => apply(ctx, req, deadline, ReplyBody::Settle),
+        Op::Hit(req) => {
+            let place = place(req.tenant_name());
+            Pending::Hit(ctx.actors.ask(req, deadline), place)
+        }
+        Op::Settle(req) => {
+            let place = place(req.tenant_name());
+            Pending::Settle(ctx.actors.ask(req, deadline), place)
+        }
         Op::Reset { tenant } => {
+            let place = place(&tenant);
             let (reply, rx) = oneshot::channel();
             let msg = ShardMsg::Reset {
-                tenant: tenant.clone(),
+                tenant,
                 reply: reply.into(),
             };
             if ctx.actors.actor().cast(msg).is_err() {
-                return ready(unavailable("shard actor is not running"));
+                return Pending::Now(unavailable("shard actor is not running"));
             }
-            let (shard, persistence) = (ctx.shard, ctx.persistence.clone());
-            async move {
-                match rx.await {
-                    Ok(Ok(changes)) => Answer::after(
-                        ReplyBody::Reset,
-                        Durable {
-                            persistence,
-                            shard,
-                            tenant,
-                            changes,
-                        },
-                    ),
-                    Ok(Err(why)) => Answer::now(refused(why)),
-                    Err(_) => Answer::now(unavailable("shard actor dropped the request")),
-                }
-            }
-            .boxed()
+            Pending::Reset(rx, place)
         }
-        Op::Batch(items) => {
-            let answers: Vec<_> = items
-                .into_iter()
-                .map(|item| dispatch(ctx, item, received))
-                .collect();
-            async move {
-                let answers = join_all(answers).await;
-                let bodies = durable_bodies(answers.into_iter().map(|a| (a, ())).collect()).await;
-                Answer::now(ReplyBody::Batch(
-                    bodies
-                        .into_iter()
-                        .map(|(body, ())| Reply::new(body))
-                        .collect(),
-                ))
-            }
-            .boxed()
-        }
+        // Admitted requests hold no batch inside a batch.
+        Op::Batch(_) => Pending::Now(ReplyBody::Error(ErrorReply::new(
+            ErrorCode::Malformed,
+            "a batch inside a batch",
+        ))),
     }
-}
-
-/// Hands a hit or settle to its tenant's actor; the future answers its outcome
-/// and the changes it made, to be made durable before it leaves.
-fn apply<R: TenantRequest>(
-    ctx: &ShardContext,
-    req: R,
-    deadline: Option<Instant>,
-    body: fn(R::Outcome) -> ReplyBody,
-) -> BoxFuture<'static, Answer> {
-    let tenant = req.tenant_name().to_owned();
-    let rx = ctx.actors.ask(req, deadline);
-    let (shard, persistence) = (ctx.shard, ctx.persistence.clone());
-    async move {
-        match rx.await {
-            Ok(Ok(applied)) => Answer::after(
-                body(applied.outcome),
-                Durable {
-                    persistence,
-                    shard,
-                    tenant,
-                    changes: applied.changes,
-                },
-            ),
-            Ok(Err(why)) => Answer::now(refused(why)),
-            Err(_) => Answer::now(unavailable("shard actor dropped the request")),
-        }
-    }
-    .boxed()
 }
 
 #[cfg(test)]
