@@ -1,6 +1,8 @@
 //! The NATS echo baseline against a real `nats-server` that this test starts on a
 //! free loopback port: the echo answers every call, the store sends exactly the
 //! fleet client's bytes, and transport failures are the right errors in budget.
+//! The node echo (the floor of edge batching) answers the fleet's own edge
+//! client, which batches to it as to a node.
 //!
 //! The server comes from the shared harness: without a `nats-server` the test
 //! fails (it never skips); `scripts/ensure-nats.sh` installs one.
@@ -11,9 +13,12 @@ use std::time::{Duration, Instant};
 use ankusa_actors::{
     Charge, Claim, HitOutcome, HitRequest, Kind, SettleOutcome, SettleRequest, Settlement,
 };
-use ankusa_bus::{Op, Request, Store, StoreError};
-use ankusa_node::bench::echo::{EchoResponder, EchoStore};
+use ankusa_bus::{
+    ErrorCode, FleetConfig, NatsOptions, Op, Reply, ReplyBody, Request, Store, StoreError,
+};
+use ankusa_node::bench::echo::{EchoResponder, EchoStore, NodeEchoResponder};
 use ankusa_node::bench::workload::{self, LoadMode, WorkloadConfig};
+use ankusa_tests::fleet::connected_edge;
 use ankusa_tests::NatsServer;
 use futures::StreamExt;
 
@@ -169,4 +174,70 @@ async fn a_short_workload_runs_clean() {
     assert_eq!(report.hit_outcomes.ok, report.hits, "{report}");
     assert_eq!(report.settles, report.hits, "{report}");
     assert_eq!(report.settle_outcomes.ok, report.settles, "{report}");
+}
+
+#[tokio::test]
+async fn the_node_echo_is_batched_to_as_a_node() {
+    let server = NatsServer::start().await.expect("nats-server starts");
+    let client = server.connect().await.expect("connect");
+    let instance = "bench-echo-test";
+    let _echo = NodeEchoResponder::start(client.clone(), instance)
+        .await
+        .expect("start node echo");
+    assert!(NodeEchoResponder::start(client.clone(), "Bad Instance")
+        .await
+        .is_err());
+
+    // What does not decode gets its error, not an `ok`.
+    let garbage = client
+        .request(format!("ankusa.{instance}.shard.0"), vec![0xc1].into())
+        .await
+        .expect("an answer");
+    let reply = Reply::decode(&garbage.payload).expect("a reply");
+    assert!(
+        matches!(&reply.body, ReplyBody::Error(e) if e.code == ErrorCode::Malformed),
+        "{reply:?}"
+    );
+
+    // Copies of what reaches the node's subject: the edge's batches.
+    let node_subject = format!("ankusa.{instance}.node.{}", NodeEchoResponder::NODE);
+    let mut batches = client.subscribe(node_subject).await.expect("subscribe");
+    client.flush().await.expect("flush");
+    let mut config = FleetConfig::new(NatsOptions::with_servers([server.url()]), instance);
+    config.batching = true;
+    let store = Arc::new(connected_edge(config).await);
+    let cfg = WorkloadConfig {
+        tenants: 50,
+        mode: LoadMode::Concurrency { in_flight: 64 },
+        duration: Duration::from_millis(500),
+        max_hits: 20_000,
+        progress: false,
+        ..WorkloadConfig::default()
+    };
+    let report = workload::run(store, &cfg).await.expect("run");
+    assert!(report.hits >= 1_000, "{report}");
+    assert_eq!(report.hit_outcomes.ok, report.hits, "{report}");
+    assert_eq!(report.settle_outcomes.ok, report.settles, "{report}");
+    assert_eq!(report.settles, report.hits, "{report}");
+
+    // Most calls went in batches to the node's subject, each of several calls.
+    let mut calls_in_batches = 0;
+    let mut messages = 0;
+    while let Ok(Some(msg)) = tokio::time::timeout(Duration::from_millis(200), batches.next()).await
+    {
+        let request = Request::decode(&msg.payload).expect("a request");
+        if let Op::Batch(items) = request.op {
+            calls_in_batches += items.len() as u64;
+        }
+        messages += 1;
+    }
+    let calls = report.hits + report.settles;
+    assert!(
+        calls_in_batches * 2 > calls,
+        "{calls_in_batches} of {calls} calls batched"
+    );
+    assert!(
+        messages * 4 < calls_in_batches,
+        "{messages} messages for {calls_in_batches} calls"
+    );
 }

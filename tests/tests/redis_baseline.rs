@@ -426,7 +426,10 @@ async fn the_comparison_takes_the_median_of_its_rounds() {
             .iter()
             .map(|r| r["label"].as_str().expect("label"))
             .collect();
-        assert_eq!(labels, ["echo", "redis-lua", "fleet", "fleet+batch"]);
+        assert_eq!(
+            labels,
+            ["echo", "redis-lua", "fleet", "fleet+batch", "echo+batch"]
+        );
         for r in round["peak"].as_array().expect("peak") {
             assert!(r["hits"].as_u64() > Some(0), "{r}");
         }
@@ -441,7 +444,14 @@ async fn the_comparison_takes_the_median_of_its_rounds() {
     );
 
     let ratios = report["ratios"].as_array().expect("ratios");
-    assert_eq!(ratios.len(), 8, "six at peak, two at half the peak");
+    assert_eq!(
+        ratios.len(),
+        10,
+        "six judged and two bounds at peak, two at half the peak"
+    );
+    let bounds: Vec<_> = ratios.iter().filter(|r| r["target"] == "context").collect();
+    assert_eq!(bounds.len(), 2, "{bounds:?}");
+    assert!(bounds.iter().all(|r| r["met"].is_null()), "{bounds:?}");
     for (i, ratio) in ratios.iter().enumerate() {
         let each: Vec<f64> = rounds
             .iter()

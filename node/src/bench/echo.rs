@@ -10,11 +10,18 @@
 //! The responder serves one wildcard subscription, `<base>.*`, and picks its
 //! reply by the subject's last token (`hit`, `settle`, `reset`), so that a
 //! settle gets a settle answer without the responder reading the payload.
+//!
+//! [`NodeEchoResponder`] is the same floor for edge batching: it answers an
+//! instance's subjects as a node would, batches included, but does nothing
+//! besides decoding a request and answering each call in it `ok`. The fleet's
+//! own edge client, batching, talks to it unchanged; what that reaches against
+//! the bare echo is all that batching can gain on the host, whatever a node
+//! does.
 
 use std::time::Duration;
 
 use ankusa_actors::{HitOutcome, HitRequest, SettleOutcome, SettleRequest};
-use ankusa_bus::{Op, Reply, ReplyBody, Request, Store, StoreError};
+use ankusa_bus::{Op, Reply, ReplyBody, Request, Store, StoreError, Subjects};
 use async_nats::{Client, RequestErrorKind};
 use bytes::Bytes;
 use futures::StreamExt;
@@ -58,19 +65,7 @@ impl EchoResponder {
     pub async fn start(client: Client, base: impl Into<String>) -> Result<Self, EchoError> {
         let base = base.into();
         check_base(&base)?;
-        let subject = format!("{base}.*");
-        let mut sub =
-            client
-                .subscribe(subject.clone())
-                .await
-                .map_err(|e| EchoError::Subscribe {
-                    subject: subject.clone(),
-                    message: e.to_string(),
-                })?;
-        client
-            .flush()
-            .await
-            .map_err(|e| EchoError::Flush(e.to_string()))?;
+        let mut sub = subscribe(&client, format!("{base}.*")).await?;
 
         // Encoded once: the responder's work per request is one publish.
         let hit = Bytes::from(Reply::new(ReplyBody::Hit(HitOutcome::Ok)).encode());
@@ -106,6 +101,79 @@ impl Drop for EchoResponder {
     fn drop(&mut self) {
         // Dropping the task drops its subscriber, which unsubscribes.
         self.task.abort();
+    }
+}
+
+/// Subscribes to `subject` and returns once the server has the subscription,
+/// so a request sent right after finds a responder.
+async fn subscribe(client: &Client, subject: String) -> Result<async_nats::Subscriber, EchoError> {
+    let sub = client
+        .subscribe(subject.clone())
+        .await
+        .map_err(|e| EchoError::Subscribe {
+            subject,
+            message: e.to_string(),
+        })?;
+    client
+        .flush()
+        .await
+        .map_err(|e| EchoError::Flush(e.to_string()))?;
+    Ok(sub)
+}
+
+/// Answers every request on an instance's subjects (`ankusa.<instance>.>`) as a
+/// node that does no work would, until dropped.
+#[derive(Debug)]
+pub struct NodeEchoResponder {
+    task: JoinHandle<()>,
+}
+
+impl NodeEchoResponder {
+    /// The node name its answers carry, so that an edge batches to it.
+    pub const NODE: &'static str = "echo";
+
+    /// Subscribes to the instance's subjects and starts answering: each
+    /// request decoded, each call in it answered `ok` (a lone one naming
+    /// [`Self::NODE`]), and what does not decode answered with its error.
+    pub async fn start(client: Client, instance: &str) -> Result<Self, EchoError> {
+        let subjects =
+            Subjects::new(instance).map_err(|_| EchoError::BadSubject(instance.to_string()))?;
+        let mut sub = subscribe(&client, format!("{}.>", subjects.prefix())).await?;
+        let task = tokio::spawn(async move {
+            while let Some(msg) = sub.next().await {
+                let Some(reply_to) = msg.reply else { continue };
+                let reply = match Request::decode(&msg.payload) {
+                    Ok(request) => Reply::new(ok_body(&request.op)).from_node(Some(Self::NODE)),
+                    Err(err) => Reply::new(ReplyBody::Error(err.into())),
+                };
+                if let Err(err) = client.publish(reply_to, reply.encode().into()).await {
+                    tracing::debug!(%err, "node echo cannot publish; stopping");
+                    break;
+                }
+            }
+        });
+        Ok(Self { task })
+    }
+}
+
+impl Drop for NodeEchoResponder {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The answer of a node that grants everything and keeps nothing.
+fn ok_body(op: &Op) -> ReplyBody {
+    match op {
+        Op::Hit(_) => ReplyBody::Hit(HitOutcome::Ok),
+        Op::Settle(_) => ReplyBody::Settle(SettleOutcome::Ok),
+        Op::Reset { .. } => ReplyBody::Reset,
+        Op::Batch(items) => ReplyBody::Batch(
+            items
+                .iter()
+                .map(|item| Reply::new(ok_body(&item.op)))
+                .collect(),
+        ),
     }
 }
 

@@ -9,7 +9,8 @@
 //!   outcome, as JSON or a compact table, and ratios between runs.
 //! - [`echo`]: the floor. The same encoded requests over the same NATS
 //!   request-reply, answered by a responder that does nothing: what the
-//!   transport alone costs.
+//!   transport alone costs; and [`echo::NodeEchoResponder`], a node that does
+//!   nothing, the floor of the edge's batching.
 //! - [`redis_lua`]: the incumbent. The same contract as one Lua script per call
 //!   on a single `redis-server`, the way the contract's Redis store does it.
 //!
@@ -22,6 +23,6 @@ pub mod echo;
 pub mod redis_lua;
 pub mod workload;
 
-pub use echo::{EchoResponder, EchoStore};
+pub use echo::{EchoResponder, EchoStore, NodeEchoResponder};
 pub use redis_lua::RedisLuaStore;
 pub use workload::{run, LoadMode, TenantDistribution, WorkloadConfig, WorkloadReport};

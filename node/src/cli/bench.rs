@@ -5,11 +5,14 @@
 //! 1. the bare NATS echo ([`EchoResponder`] + [`EchoStore`]): the transport alone;
 //! 2. Redis + Lua ([`RedisLuaStore`]) at `--redis-url`: the incumbent design;
 //! 3. the fleet without edge batching, and 4. with it;
+//! 5. the same batching edge against a node that does nothing
+//!    ([`NodeEchoResponder`]): the most batching can gain on this host, the
+//!    bound that "fleet+batch / echo" is read against;
 //!
 //! then, open loop at half of the fleet's measured peak, the fleet and the echo
 //! again, to compare their p99 at a rate both can sustain.
 //!
-//! With `--rounds N` the stores take turns: each round runs all four, then
+//! With `--rounds N` the stores take turns: each round runs all five, then
 //! each round both open loops, and every ratio is the median of its rounds'.
 //! A shared host's speed drifts by tens of percent within minutes; stores
 //! measured seconds apart in the same round see about the same host, and the
@@ -21,12 +24,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ankusa_bus::{FleetStore, NatsOptions};
+use ankusa_bus::{FleetConfig, FleetStore, NatsOptions};
 use clap::{Args, Subcommand};
 use serde::Serialize;
 
 use crate::bench::workload::{self, comparison_table, BucketLimits};
-use crate::bench::{EchoResponder, EchoStore, LoadMode, RedisLuaStore, TenantDistribution};
+use crate::bench::{
+    EchoResponder, EchoStore, LoadMode, NodeEchoResponder, RedisLuaStore, TenantDistribution,
+};
 use crate::bench::{WorkloadConfig, WorkloadReport};
 
 use super::{write_json, CliError, Global};
@@ -199,6 +204,14 @@ async fn run_fleet(
     args: &WorkloadArgs,
     batching: bool,
 ) -> Result<WorkloadReport, CliError> {
+    let store = FleetStore::connect(edge_config(global, args, batching)).await?;
+    let label = if batching { "fleet+batch" } else { "fleet" };
+    run_edge(store, cfg, label).await
+}
+
+/// The edge client's configuration for the fleet, with the workload's edge
+/// knobs.
+fn edge_config(global: &Global, args: &WorkloadArgs, batching: bool) -> FleetConfig {
     let mut config = global.fleet_config(batching);
     if let Some(n) = args.edge_in_flight {
         config.max_in_flight = n;
@@ -206,23 +219,31 @@ async fn run_fleet(
     if let Some(n) = args.edge_max_batch {
         config.max_batch = n;
     }
-    let store = FleetStore::connect(config).await?;
+    config
+}
+
+/// Runs the workload through an edge client, connected first.
+async fn run_edge(
+    store: FleetStore,
+    cfg: &WorkloadConfig,
+    label: &str,
+) -> Result<WorkloadReport, CliError> {
     super::wait_connected(store.nats(), Duration::from_secs(5)).await?;
-    let label = if batching { "fleet+batch" } else { "fleet" };
     eprintln!("bench: {label}, {} ...", cfg.mode_label());
     Ok(workload::run(Arc::new(store), cfg).await?.labelled(label))
 }
 
-/// The echo responder on a runtime and NATS connection of its own, as a
-/// separate responder process would have: the load generator's tasks do not
-/// share its scheduler.
+/// The echo responders (the bare one on `base`, the node echo on its
+/// instance) on a runtime and NATS connection of their own, as a separate
+/// responder process would have: the load generator's tasks do not share
+/// their scheduler.
 struct EchoServer {
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl EchoServer {
-    fn start(nats: NatsOptions, base: String) -> Result<Self, CliError> {
+    fn start(nats: NatsOptions, base: String, node_instance: String) -> Result<Self, CliError> {
         let (ready_tx, ready_rx) = std::sync::mpsc::channel::<Result<(), String>>();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
@@ -245,15 +266,19 @@ impl EchoServer {
                         super::wait_connected(&client, Duration::from_secs(5))
                             .await
                             .map_err(|e| e.to_string())?;
-                        EchoResponder::start(client, base)
+                        let node = NodeEchoResponder::start(client.clone(), &node_instance)
                             .await
-                            .map_err(|e| e.to_string())
+                            .map_err(|e| e.to_string())?;
+                        let bare = EchoResponder::start(client, base)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        Ok::<_, String>((bare, node))
                     };
                     match started.await {
-                        Ok(responder) => {
+                        Ok(responders) => {
                             let _ = ready_tx.send(Ok(()));
                             let _ = stopped.await;
-                            drop(responder);
+                            drop(responders);
                         }
                         Err(e) => {
                             let _ = ready_tx.send(Err(e));
@@ -294,14 +319,17 @@ pub enum Target {
     AtMost(f64),
     /// No target; at most 1 counts as met.
     LowerIsBetter,
+    /// Not judged: a bound the targets are read against.
+    Context,
 }
 
 impl Target {
-    fn met(self, value: f64) -> bool {
+    fn met(self, value: f64) -> Option<bool> {
         match self {
-            Target::AtLeast(t) => value >= t,
-            Target::AtMost(t) => value <= t,
-            Target::LowerIsBetter => value <= 1.0,
+            Target::AtLeast(t) => Some(value >= t),
+            Target::AtMost(t) => Some(value <= t),
+            Target::LowerIsBetter => Some(value <= 1.0),
+            Target::Context => None,
         }
     }
 }
@@ -312,6 +340,7 @@ impl std::fmt::Display for Target {
             Target::AtLeast(t) => write!(f, ">= {t}"),
             Target::AtMost(t) => write!(f, "<= {t}"),
             Target::LowerIsBetter => f.write_str("lower is better"),
+            Target::Context => f.write_str("none (a bound)"),
         }
     }
 }
@@ -334,7 +363,7 @@ impl Ratio {
             what: what.into(),
             value,
             target,
-            met: value.map(|v| target.met(v)),
+            met: value.and_then(|v| target.met(v)),
             rounds: Vec::new(),
         }
     }
@@ -371,7 +400,7 @@ pub struct CompareReport {
 /// One round: the four stores at peak, the open loops, and their ratios.
 #[derive(Debug, Clone, Serialize)]
 pub struct CompareRound {
-    /// echo, redis-lua, fleet, fleet+batch.
+    /// echo, redis-lua, fleet, fleet+batch, echo+batch.
     pub peak: Vec<WorkloadReport>,
     /// Open loop at half the fleet's peak, per fleet client mode.
     pub half_peak: Vec<HalfPeak>,
@@ -395,6 +424,8 @@ struct Peaks {
     redis: WorkloadReport,
     fleet: WorkloadReport,
     fleet_batch: WorkloadReport,
+    /// The edge, batching, against the node echo.
+    echo_batch: WorkloadReport,
 }
 
 impl Peaks {
@@ -433,6 +464,16 @@ impl Peaks {
                 vs(batch, echo).hits_per_sec,
                 Target::AtLeast(2.0),
             ),
+            Ratio::new(
+                "echo+batch / echo hits/s: batching's ceiling here",
+                vs(&self.echo_batch, echo).hits_per_sec,
+                Target::Context,
+            ),
+            Ratio::new(
+                "fleet+batch / echo+batch hits/s: of that ceiling",
+                vs(batch, &self.echo_batch).hits_per_sec,
+                Target::Context,
+            ),
         ];
         for h in half_peak {
             let what = format!(
@@ -455,7 +496,13 @@ impl Peaks {
     }
 
     fn into_vec(self) -> Vec<WorkloadReport> {
-        vec![self.echo, self.redis, self.fleet, self.fleet_batch]
+        vec![
+            self.echo,
+            self.redis,
+            self.fleet,
+            self.fleet_batch,
+            self.echo_batch,
+        ]
     }
 }
 
@@ -475,7 +522,8 @@ fn fmt_opt(v: Option<f64>) -> String {
 
 async fn compare(global: &Global, args: &BenchArgs, cfg: WorkloadConfig) -> Result<(), CliError> {
     let base = format!("ankusa_bench.echo.p{}", std::process::id());
-    let echo_server = EchoServer::start(global.nats_options(), base.clone())?;
+    let node_echo = format!("bench-echo-p{}", std::process::id());
+    let echo_server = EchoServer::start(global.nats_options(), base.clone(), node_echo.clone())?;
     let echo_client = global.nats_client(Duration::from_secs(5)).await?;
     let echo = Arc::new(EchoStore::new(echo_client, &base));
     let redis = Arc::new(
@@ -503,11 +551,18 @@ async fn compare(global: &Global, args: &BenchArgs, cfg: WorkloadConfig) -> Resu
             .labelled("redis-lua");
         let fleet = run_fleet(global, &cfg, &args.workload, false).await?;
         let fleet_batch = run_fleet(global, &cfg, &args.workload, true).await?;
+        let echo_batch = FleetStore::connect(FleetConfig {
+            instance: node_echo.clone(),
+            ..edge_config(global, &args.workload, true)
+        })
+        .await?;
+        let echo_batch = run_edge(echo_batch, &cfg, "echo+batch").await?;
         peaks.push(Peaks {
             echo: echo_peak,
             redis: redis_peak,
             fleet,
             fleet_batch,
+            echo_batch,
         });
     }
 
@@ -672,9 +727,15 @@ mod tests {
 
     #[test]
     fn targets_hold_their_bounds() {
-        assert!(Target::AtLeast(1.5).met(1.5) && !Target::AtLeast(1.5).met(1.49));
-        assert!(Target::AtMost(2.0).met(2.0) && !Target::AtMost(2.0).met(2.01));
-        assert!(Target::LowerIsBetter.met(0.9) && !Target::LowerIsBetter.met(1.1));
+        assert_eq!(Target::AtLeast(1.5).met(1.5), Some(true));
+        assert_eq!(Target::AtLeast(1.5).met(1.49), Some(false));
+        assert_eq!(Target::AtMost(2.0).met(2.0), Some(true));
+        assert_eq!(Target::AtMost(2.0).met(2.01), Some(false));
+        assert_eq!(Target::LowerIsBetter.met(0.9), Some(true));
+        assert_eq!(Target::LowerIsBetter.met(1.1), Some(false));
+        // A bound is printed, never judged.
+        assert_eq!(Target::Context.met(1.7), None);
+        assert_eq!(Ratio::new("bound", Some(1.7), Target::Context).met, None);
         assert_eq!(Target::AtLeast(1.5).to_string(), ">= 1.5");
         assert_eq!(median(vec![3.0, 1.0, 2.0]), Some(2.0));
         assert_eq!(median(vec![4.0, 1.0]), Some(2.5));
