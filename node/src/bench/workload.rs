@@ -436,6 +436,11 @@ pub struct WorkloadReport {
     /// the platform does not tell.
     #[serde(default)]
     pub loadgen_cpu_s: Option<f64>,
+    /// Share of the host's CPU time (every core, every process) that was busy
+    /// during the run, from `/proc/stat`: near 1, the run was bound by the
+    /// machine rather than by any one process. `None` off Linux.
+    #[serde(default)]
+    pub host_busy: Option<f64>,
 }
 
 /// `self / other` for each figure (`None` where `other`'s is 0). For
@@ -564,6 +569,9 @@ impl fmt::Display for WorkloadReport {
                 "\n  load generator CPU: {cpu:.2} s, {per_hit:.1} µs per hit"
             )?;
         }
+        if let Some(busy) = self.host_busy {
+            write!(f, "\n  host CPU busy: {:.0} %", 100.0 * busy)?;
+        }
         if self.late_sends > 0 {
             write!(f, "\n  late sends (> 1 ms after due): {}", self.late_sends)?;
         }
@@ -596,7 +604,7 @@ impl fmt::Display for ReportRatio {
 /// cost of a hit and its settle; for the echo, its responder's too).
 pub fn comparison_table(reports: &[&WorkloadReport]) -> String {
     let mut out = format!(
-        "{:<12} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>10}\n",
+        "{:<12} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>10} {:>6}\n",
         "store",
         "hits/s",
         "settles/s",
@@ -608,13 +616,14 @@ pub fn comparison_table(reports: &[&WorkloadReport]) -> String {
         "errors",
         "x hits/s",
         "x hit p99",
-        "gen µs/hit"
+        "gen µs/hit",
+        "host"
     );
     let base = reports.first();
     for r in reports {
         let rel = base.map(|b| r.ratio_to(b));
         out.push_str(&format!(
-            "{:<12} {:>10.0} {:>10.0} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>10}\n",
+            "{:<12} {:>10.0} {:>10.0} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>9} {:>10} {:>6}\n",
             r.label,
             r.hits_per_sec,
             r.settles_per_sec,
@@ -628,9 +637,14 @@ pub fn comparison_table(reports: &[&WorkloadReport]) -> String {
             fmt_ratio(rel.and_then(|x| x.hit_p99)),
             r.loadgen_us_per_hit()
                 .map_or_else(|| "-".into(), |us| format!("{us:.1}")),
+            r.host_busy
+                .map_or_else(|| "-".into(), |busy| format!("{:.0}%", 100.0 * busy)),
         ));
     }
-    out.push_str("latencies in µs; gen µs/hit: the load generator's CPU per hit and its settle");
+    out.push_str(
+        "latencies in µs; gen µs/hit: the load generator's CPU per hit and its settle; \
+         host: the machine's CPU busy during the run",
+    );
     out
 }
 
@@ -1148,6 +1162,7 @@ pub async fn run<S: Store>(
         LoadMode::Rate { .. } => Vec::new(),
     };
     let cpu_at_start = process_cpu();
+    let host_at_start = host_cpu();
     let start = Instant::now();
     let progress = Progress::start(&plan, start);
     let (stats, abandoned) = match cfg.mode {
@@ -1190,6 +1205,45 @@ pub async fn run<S: Store>(
         loadgen_cpu_s: cpu_at_start
             .zip(process_cpu())
             .map(|(before, after)| after.saturating_sub(before).as_secs_f64()),
+        host_busy: host_at_start.zip(host_cpu()).and_then(|(before, after)| {
+            let total = after.total.saturating_sub(before.total);
+            let idle = after.idle.saturating_sub(before.idle);
+            (total > 0).then(|| 1.0 - idle as f64 / total as f64)
+        }),
+    })
+}
+
+/// The host's CPU time so far, in clock ticks summed over every core.
+struct HostCpu {
+    total: u64,
+    /// Idle and waiting for I/O.
+    idle: u64,
+}
+
+/// The aggregate `cpu` line of `/proc/stat` (`None` where there is none).
+fn host_cpu() -> Option<HostCpu> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    parse_host_cpu(stat.lines().next()?)
+}
+
+/// `cpu  user nice system idle iowait irq softirq steal …`: guest time is
+/// already inside user and nice, so it is not added again.
+fn parse_host_cpu(line: &str) -> Option<HostCpu> {
+    let mut fields = line.split_whitespace();
+    if fields.next()? != "cpu" {
+        return None;
+    }
+    let ticks: Vec<u64> = fields
+        .take(8)
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .ok()?;
+    if ticks.len() < 5 {
+        return None;
+    }
+    Some(HostCpu {
+        total: ticks.iter().sum(),
+        idle: ticks[3] + ticks[4],
     })
 }
 
@@ -1304,6 +1358,18 @@ mod tests {
         assert!(cpu > 0.0 && cpu < 60.0, "{cpu}");
         assert_eq!(back.loadgen_cpu_s, report.loadgen_cpu_s);
         assert!(report.to_string().contains("load generator CPU"));
+        let busy = report.host_busy.expect("/proc/stat on Linux");
+        assert!(busy > 0.0 && busy <= 1.0, "{busy}");
+        assert_eq!(back.host_busy, report.host_busy);
+    }
+
+    #[test]
+    fn the_hosts_cpu_line_is_read_field_by_field() {
+        let cpu = parse_host_cpu("cpu  100 5 50 800 20 3 2 10 0 0").expect("a cpu line");
+        assert_eq!((cpu.total, cpu.idle), (990, 820));
+        assert!(parse_host_cpu("cpu0 100 5 50 800 20 3 2 10").is_none());
+        assert!(parse_host_cpu("cpu  100 5 x 800").is_none());
+        assert!(parse_host_cpu("cpu  100 5").is_none());
     }
 
     #[tokio::test]
