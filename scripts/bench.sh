@@ -3,7 +3,8 @@
 # and redis-server on free 127.0.0.1 ports, N ankusa-node processes (fleet mode,
 # release build), then runs
 #   ankusa bench --compare   (bare NATS echo, Redis + Lua, fleet without and with
-#                             edge batching, p99 at half the fleet's peak), in R
+#                             edge batching, the batching edge against a node
+#                             that does nothing, p99 at half the fleet's peak), in R
 #                             rounds where the stores take turns (each ratio the
 #                             median of its rounds'), K times
 #   ankusa bench durable     (KV group commit vs sequential puts)
@@ -40,7 +41,7 @@ while [ $# -gt 0 ]; do
     --memory-count) memory_count=$2; shift 2 ;;
     --memory-what) memory_what=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "bench.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done

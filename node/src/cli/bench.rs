@@ -397,7 +397,7 @@ pub struct CompareReport {
     pub ratios: Vec<Ratio>,
 }
 
-/// One round: the four stores at peak, the open loops, and their ratios.
+/// One round: the stores at peak, the open loops, and their ratios.
 #[derive(Debug, Clone, Serialize)]
 pub struct CompareRound {
     /// echo, redis-lua, fleet, fleet+batch, echo+batch.
