@@ -156,6 +156,13 @@ pub enum TenantFailure {
 }
 
 impl ShardConfig {
+    /// `sweep_every` in the clock's microseconds, at least one.
+    fn sweep_period_us(&self) -> u64 {
+        u64::try_from(self.sweep_every.as_micros())
+            .unwrap_or(u64::MAX)
+            .max(1)
+    }
+
     pub fn new(clock: Arc<dyn Clock>) -> Self {
         Self {
             clock,
@@ -526,8 +533,7 @@ impl ShardState {
             }
         }
 
-        let sweep_us = self.config.sweep_every.as_micros() as u64;
-        if now.saturating_sub(self.last_sweep_us) >= sweep_us {
+        if now.saturating_sub(self.last_sweep_us) >= self.config.sweep_period_us() {
             self.last_sweep_us = now;
             for tenant in self.running.read().values() {
                 let _ = tenant.actor.cast(TenantMsg::Sweep);
@@ -602,7 +608,7 @@ impl Actor for ShardActor {
         // node scanned in one burst on its one thread, stalling its requests
         // for milliseconds at a million claims. Each starts its period at a
         // point of its own, so their sweeps spread over the period.
-        let period_us = (args.config.sweep_every.as_micros() as u64).max(1);
+        let period_us = args.config.sweep_period_us();
         // A fresh `RandomState` is freshly keyed: its hash of anything is a
         // random number, without a dependency for one.
         let phase_us = ahash::RandomState::new().hash_one(0u8) % period_us;
