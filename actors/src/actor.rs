@@ -14,7 +14,8 @@
 //! plain map, a few dozen bytes a tenant, until the tenant is heard from again.
 //! Expired claims are swept on the shard's tick, never with a timer per claim,
 //! each shard at its own point of the sweep period so that a node's shards do
-//! not all scan their claims at once.
+//! not all scan their claims at once, and a tenant's table in steps of
+//! [`SWEEP_STEP_BUCKETS`] with its requests answered between them.
 //!
 //! Fairness: each tenant has a bounded queue. A tenant flooding its shard is shed
 //! with [`Refused::Overloaded`] at the shard, so the other tenants of the shard,
@@ -81,7 +82,11 @@ pub enum TenantMsg {
     Hit(HitJob),
     Settle(SettleJob),
     Reset(RpcReplyPort<Changes>),
+    /// Sweep expired claims, unless a sweep is under way.
     Sweep,
+    /// The next step of the sweep under way, queued behind the requests that
+    /// came during the last one.
+    SweepOn,
     Snapshot(RpcReplyPort<TenantSnapshot>),
     /// Merge persisted state in.
     Absorb(TenantSnapshot),
@@ -195,10 +200,16 @@ pub struct TenantGauges {
     pub last_active_us: AtomicU64,
 }
 
+/// How many places of a claim table one sweep step looks at: a tenant is
+/// busy for tens of microseconds a step, not milliseconds a table.
+pub const SWEEP_STEP_BUCKETS: usize = 4096;
+
 pub struct TenantActorState {
     state: TenantState,
     clock: Arc<dyn Clock>,
     gauges: Arc<TenantGauges>,
+    /// A [`TenantMsg::SweepOn`] is queued.
+    sweeping: bool,
 }
 
 impl Actor for TenantActor {
@@ -215,6 +226,7 @@ impl Actor for TenantActor {
             state: args.state,
             clock: args.clock,
             gauges: args.gauges,
+            sweeping: false,
         })
     }
 
@@ -249,8 +261,11 @@ impl Actor for TenantActor {
             TenantMsg::Reset(reply) => {
                 let _ = reply.send(me.state.reset());
             }
-            TenantMsg::Sweep => {
-                me.state.sweep(now);
+            TenantMsg::Sweep if me.sweeping => {}
+            TenantMsg::Sweep | TenantMsg::SweepOn => {
+                let step = me.state.sweep_step(now, SWEEP_STEP_BUCKETS);
+                // Failing only when the actor stops, and its state goes with it.
+                me.sweeping = !step.finished && myself.cast(TenantMsg::SweepOn).is_ok();
             }
             TenantMsg::Snapshot(reply) => {
                 // The shard knows the name; it fills it in.
@@ -884,5 +899,72 @@ mod tests {
             matches!(stats, CallResult::Success(s) if s.claims == KEYS && s.restarts == 0),
             "{stats:?}"
         );
+    }
+
+    /// A table several sweep steps long is swept to its live claims, one step a
+    /// turn, by the tenant itself.
+    #[tokio::test]
+    async fn a_large_table_is_swept_in_steps() {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let config = ShardConfig {
+            idle_after: Duration::from_secs(3_600),
+            ..ShardConfig::new(clock.clone())
+        };
+        let shard = spawn_shard(config, Vec::new(), None).await.expect("spawns");
+        const KEYS: usize = 3 * SWEEP_STEP_BUCKETS;
+        let claims_held = || async {
+            match shard.actor().call(ShardMsg::Stats, None).await {
+                Ok(CallResult::Success(stats)) => stats.claims,
+                other => panic!("stats: {other:?}"),
+            }
+        };
+        for chunk in (0..KEYS).collect::<Vec<_>>().chunks(512) {
+            let answers: Vec<_> = chunk
+                .iter()
+                .map(|&i| {
+                    let mut req = hit(&format!("k{i}"));
+                    req.charges[0].capacity_us = 1_000_000;
+                    if let Some(claim) = req.claim.as_mut() {
+                        // Every third claim outlives the sweep.
+                        claim.pending_ttl_ms = if i % 3 == 0 { 600_000 } else { 1_000 };
+                    }
+                    shard.ask(req, None)
+                })
+                .collect();
+            for answer in answers {
+                assert!(matches!(answer.await, Ok(Ok(_))));
+            }
+        }
+        assert_eq!(claims_held().await, KEYS);
+        clock.advance_us(10_000_000);
+        shard.actor().cast(ShardMsg::Tick).expect("tick");
+        let live = KEYS.div_ceil(3);
+        let mut held = claims_held().await;
+        for _ in 0..200 {
+            if held == live {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            held = claims_held().await;
+        }
+        assert_eq!(held, live, "the expired claims are swept, the live kept");
+        for i in (0..KEYS).step_by(3).step_by(101) {
+            let mut req = hit(&format!("k{i}"));
+            req.charges[0].capacity_us = 1_000_000;
+            if let Some(claim) = req.claim.as_mut() {
+                claim.hook_id = "another".into();
+            }
+            let again = shard.ask(req, None).await;
+            assert!(
+                matches!(
+                    again,
+                    Ok(Ok(Applied {
+                        outcome: HitOutcome::Pending { .. },
+                        ..
+                    }))
+                ),
+                "k{i} is still held: {again:?}"
+            );
+        }
     }
 }

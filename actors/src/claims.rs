@@ -2,8 +2,11 @@
 //!
 //! A key is claimed *pending* by the hook that met it first, and only a settle
 //! makes it *committed*. Expiry is checked on every read, so a claim is free the
-//! moment it expires; [`ClaimTable::sweep`] only gives the memory back, in one
-//! pass driven by the owner's tick rather than a timer per claim.
+//! moment it expires; a sweep only gives the memory back, driven by the owner's
+//! tick rather than a timer per claim. A large table is swept in steps
+//! ([`ClaimTable::sweep_step`]) so that its owner can answer requests between
+//! them: a tenant holding a hundred thousand claims is not stalled for the
+//! milliseconds one pass over them takes.
 //!
 //! A claim costs one allocation: its `source_id`, `key` and `hook_id` share one
 //! buffer, and the node of a pending claim is interned per table (a tenant's
@@ -365,6 +368,17 @@ struct Claims {
     table: HashTable<ClaimEntry>,
     hasher: RandomState,
     nodes: Vec<Arc<str>>,
+    /// The bucket the next sweep step starts at; 0 between passes.
+    sweep_from: usize,
+}
+
+/// What one [`ClaimTable::sweep_step`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SweepStep {
+    /// Expired claims dropped.
+    pub swept: usize,
+    /// The pass reached the end of the table; the next step starts a new one.
+    pub finished: bool,
 }
 
 impl std::fmt::Debug for Claims {
@@ -474,6 +488,7 @@ impl ClaimTable {
             table,
             hasher,
             nodes,
+            ..
         } = claims;
         let entry = table.entry(
             hash,
@@ -515,22 +530,53 @@ impl ClaimTable {
 
     /// Drops every expired claim; returns how many went.
     pub fn sweep(&mut self, now_us: u64) -> usize {
+        if let Some(claims) = self.entries.as_mut() {
+            claims.sweep_from = 0;
+        }
+        self.sweep_step(now_us, usize::MAX).swept
+    }
+
+    /// Drops the expired claims among the next `buckets` places of the table,
+    /// from where the last step stopped. The table may grow or be rehashed
+    /// between steps; a claim that moves behind the step is then swept by the
+    /// next pass, and until then it is invisible like every expired claim.
+    pub fn sweep_step(&mut self, now_us: u64, buckets: usize) -> SweepStep {
         let Some(claims) = self.entries.as_mut() else {
-            return 0;
+            return SweepStep {
+                swept: 0,
+                finished: true,
+            };
         };
         let before = claims.table.len();
-        claims.table.retain(|e| e.is_live(now_us));
-        let swept = before - claims.table.len();
-        if claims.table.is_empty() {
-            self.entries = None;
-        } else {
-            claims.nodes.retain(|n| Arc::strong_count(n) > 1);
-            if claims.table.capacity() > 4 * claims.table.len().max(8) {
-                let Claims { table, hasher, .. } = &mut **claims;
-                table.shrink_to_fit(|e| hasher.hash_one((e.source_id(), e.key())));
+        let end = claims
+            .sweep_from
+            .saturating_add(buckets)
+            .min(claims.table.num_buckets());
+        for index in claims.sweep_from..end {
+            // Removing a claim leaves every other one in its bucket.
+            if let Ok(entry) = claims.table.get_bucket_entry(index) {
+                if !entry.get().is_live(now_us) {
+                    entry.remove();
+                }
             }
         }
-        swept
+        let swept = before - claims.table.len();
+        let finished = end >= claims.table.num_buckets() || claims.table.is_empty();
+        claims.sweep_from = if finished { 0 } else { end };
+        if claims.table.is_empty() {
+            self.entries = None;
+        } else if finished {
+            claims.nodes.retain(|n| Arc::strong_count(n) > 1);
+            // A rehash moves every claim in one go, so it is kept rare: only a
+            // table left under a quarter full shrinks, and to half full, not
+            // to fit, which the next few claims would grow out of again.
+            let len = claims.table.len().max(8);
+            if claims.table.capacity() > 4 * len {
+                let Claims { table, hasher, .. } = &mut **claims;
+                table.shrink_to(2 * len, |e| hasher.hash_one((e.source_id(), e.key())));
+            }
+        }
+        SweepStep { swept, finished }
     }
 
     /// Claims held, live or not yet swept.
@@ -623,6 +669,60 @@ mod tests {
         assert_eq!(table.sweep(99), 0);
         assert_eq!(table.sweep(100), 1);
         assert!(table.is_empty());
+    }
+
+    #[test]
+    fn a_sweep_in_steps_drops_what_one_pass_would() {
+        let mut table = ClaimTable::default();
+        let claim = |table: &mut ClaimTable, i: usize, expires_us: u64| {
+            let key = format!("k{i}");
+            table.insert(ClaimEntry::new(
+                "s",
+                &key,
+                "h",
+                Phase::Committed,
+                expires_us,
+            ));
+        };
+        for i in 0..10_000 {
+            claim(&mut table, i, if i % 2 == 0 { 100 } else { 1_000 });
+        }
+        let (mut steps, mut swept) = (0, 0);
+        loop {
+            let step = table.sweep_step(100, 1_000);
+            steps += 1;
+            swept += step.swept;
+            if step.finished {
+                break;
+            }
+            // Claims made between steps, enough to grow the table under the
+            // pass: the live ones stay, the expired ones go now or next pass.
+            if steps == 3 {
+                for i in 10_000..30_000 {
+                    claim(&mut table, i, if i % 2 == 0 { 100 } else { 1_000 });
+                }
+            }
+        }
+        assert!(steps > 10, "{steps} steps");
+        assert!(swept >= 5_000, "{swept} swept");
+        assert_eq!(table.sweep(100) + swept, 15_000);
+        assert_eq!(table.len(), 15_000);
+        for i in (1..30_000).step_by(2) {
+            assert!(table.find("s", &format!("k{i}"), 100).is_some(), "k{i}");
+        }
+        // A pass ends with the table it empties.
+        let mut swept = 0;
+        for _ in 0..table.entries.as_ref().map_or(0, |c| c.table.num_buckets()) {
+            let step = table.sweep_step(1_000, 1_000);
+            swept += step.swept;
+            if step.finished {
+                break;
+            }
+        }
+        assert_eq!(swept, 15_000);
+        assert!(table.is_empty() && table.entries.is_none());
+        let step = table.sweep_step(1_000, 1);
+        assert_eq!((step.swept, step.finished), (0, true));
     }
 
     #[test]

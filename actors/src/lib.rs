@@ -17,7 +17,7 @@ pub mod types;
 
 pub use actor::{
     spawn_shard, Refused, ShardConfig, ShardHandle, ShardMsg, ShardStats, TenantFailure,
-    TenantRequest,
+    TenantRequest, SWEEP_STEP_BUCKETS,
 };
 pub use claims::ClaimRecord;
 pub use clock::{Clock, ManualClock, SystemClock};

@@ -7,7 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::claims::{ClaimRecord, ClaimTable, Phase};
+use crate::claims::{ClaimRecord, ClaimTable, Phase, SweepStep};
 use crate::gcra;
 use crate::types::{HitOutcome, HitRequest, Kind, SettleOutcome, SettleRequest, Settlement};
 
@@ -305,6 +305,11 @@ impl TenantState {
     /// Drops expired claims; returns how many went.
     pub fn sweep(&mut self, now_us: u64) -> usize {
         self.claims.sweep(now_us)
+    }
+
+    /// One step of a sweep over at most `buckets` places of the claim table.
+    pub fn sweep_step(&mut self, now_us: u64, buckets: usize) -> SweepStep {
+        self.claims.sweep_step(now_us, buckets)
     }
 
     /// Nothing worth keeping: every bucket full and no live claim.

@@ -5,7 +5,7 @@
 //! level by replaying them as a leaky bucket (a formulation of GCRA independent of
 //! the TAT arithmetic under test), and keeps the claim table as a plain map next to
 //! a log of every settle the store accepted. Random sequences of hits, settles,
-//! resets, sweeps and clock steps over a small key/hook space (so claims collide)
+//! resets, sweeps (whole or in steps) and clock steps over a small key/hook space (so claims collide)
 //! are run through both, and every outcome is compared.
 
 use std::collections::HashMap;
@@ -45,6 +45,8 @@ enum Op {
     },
     Reset,
     Sweep,
+    /// One step of a sweep over this many places of the claim table.
+    SweepStep(usize),
     Advance(u64),
 }
 
@@ -79,6 +81,7 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(key, hook, commit)| Op::Settle { key, hook, commit }),
         1 => Just(Op::Reset),
         1 => Just(Op::Sweep),
+        2 => (1usize..3).prop_map(Op::SweepStep),
         5 => prop_oneof![
             Just(0u64),
             0u64..2_000,
@@ -428,6 +431,15 @@ fn run(limits: Limits, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 state.sweep(now);
                 prop_assert_eq!(canonical(&state, now), before, "sweep changed live state");
                 prop_assert!(state.claims().iter().all(|(_, e)| e.is_live(now)));
+            }
+            Op::SweepStep(buckets) => {
+                let before = canonical(&state, now);
+                state.sweep_step(now, buckets);
+                prop_assert_eq!(
+                    canonical(&state, now),
+                    before,
+                    "sweep step changed live state"
+                );
             }
             Op::Advance(us) => clock.advance_us(us),
         }
