@@ -251,6 +251,7 @@ async fn run(
     in_flight: Arc<InFlight>,
 ) {
     let node: Option<Arc<str>> = ctx.routing.as_ref().map(|r| r.node.clone());
+    let request_metrics = RequestMetrics::new();
     loop {
         let message = tokio::select! {
             message = subscription.next() => message,
@@ -278,6 +279,7 @@ async fn run(
         let client = client.clone();
         let window = ctx.window.clone();
         let node = node.clone();
+        let request_metrics = request_metrics.clone();
         tokio::spawn(async move {
             let body = match asked {
                 Asked::One(pending) => pending.answer().await.durable_body().await,
@@ -292,9 +294,8 @@ async fn run(
                 metrics::counter!("ankusa_requests_dropped_total", "why" => "lease").increment(1);
                 return;
             }
-            count(&body);
-            metrics::histogram!("ankusa_request_duration_seconds", "op" => op)
-                .record(received.elapsed().as_secs_f64());
+            request_metrics.count(&body);
+            request_metrics.timed(op, received);
             send_reply(
                 &client,
                 reply_to,
@@ -396,6 +397,7 @@ async fn run_node(
     mut stopped: watch::Receiver<bool>,
 ) {
     let in_flight = Arc::new(InFlight::default());
+    let request_metrics = RequestMetrics::new();
     loop {
         let message = tokio::select! {
             message = subscription.next() => message,
@@ -417,12 +419,14 @@ async fn run_node(
                     reply_to,
                     lone,
                     in_flight.enter(),
+                    request_metrics.clone(),
                 ));
                 continue;
             }
         };
         let guard = in_flight.enter();
         let client = client.clone();
+        let request_metrics = request_metrics.clone();
         tokio::spawn(async move {
             let body = ReplyBody::Batch(
                 answer_batch(items)
@@ -431,9 +435,8 @@ async fn run_node(
                     .map(|(body, hold)| Reply::new(hold.checked(body)))
                     .collect(),
             );
-            count(&body);
-            metrics::histogram!("ankusa_request_duration_seconds", "op" => "node_batch")
-                .record(received.elapsed().as_secs_f64());
+            request_metrics.count(&body);
+            request_metrics.timed("node_batch", received);
             send_reply(&client, reply_to, Reply::new(body)).await;
             drop(guard);
         });
@@ -475,9 +478,10 @@ async fn answer_lone(
     reply_to: async_nats::Subject,
     (pending, hold): (Pending, ShardHold),
     in_flight: InFlightGuard,
+    request_metrics: Arc<RequestMetrics>,
 ) {
     let body = hold.checked(pending.answer().await.durable_body().await);
-    count(&body);
+    request_metrics.count(&body);
     send_reply(&client, reply_to, Reply::new(body)).await;
     drop(in_flight);
 }
@@ -535,19 +539,62 @@ fn window_open(window: &Option<ServeWindow>) -> bool {
     window.as_ref().is_none_or(ServeWindow::is_open)
 }
 
-/// Counts a reply's answers in `ankusa_requests_total` (by result) and
-/// `ankusa_requests_refused_total` (by code). Tallied first, so that a batch
-/// costs one counter lookup per result it holds, not one per answer.
-fn count(body: &ReplyBody) {
-    let mut tally = Tally::default();
-    tally.add(body);
-    for (result, n) in Answered::ALL.into_iter().zip(tally.results) {
-        if n > 0 {
-            metrics::counter!("ankusa_requests_total", "result" => result.label()).increment(n);
+/// The handles of the per-request metrics, looked up once per responder: a
+/// lookup by name and labels hashes the key and copies its labels, which cost
+/// more than the count itself, once or twice for every request.
+struct RequestMetrics {
+    /// `ankusa_requests_total`, at `Answered as usize`.
+    answered: [metrics::Counter; Answered::ALL.len()],
+    /// `ankusa_request_duration_seconds`, at the index of its op in [`TIMED`].
+    duration: [metrics::Histogram; TIMED.len()],
+}
+
+/// The `op` labels of `ankusa_request_duration_seconds`.
+const TIMED: [&str; 6] = [
+    "hit",
+    "settle",
+    "reset",
+    "batch",
+    "undecodable",
+    "node_batch",
+];
+
+impl RequestMetrics {
+    /// Made after the node installed its recorder (before any responder
+    /// starts); without one, every handle is a no-op.
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            answered: Answered::ALL.map(
+                |result| metrics::counter!("ankusa_requests_total", "result" => result.label()),
+            ),
+            duration: TIMED
+                .map(|op| metrics::histogram!("ankusa_request_duration_seconds", "op" => op)),
+        })
+    }
+
+    /// Counts a reply's answers in `ankusa_requests_total` (by result) and
+    /// `ankusa_requests_refused_total` (by code, rare enough to be looked up).
+    /// Tallied first, so that a batch costs one increment per result it holds,
+    /// not one per answer.
+    fn count(&self, body: &ReplyBody) {
+        let mut tally = Tally::default();
+        tally.add(body);
+        for (counter, n) in self.answered.iter().zip(tally.results) {
+            if n > 0 {
+                counter.increment(n);
+            }
+        }
+        for (code, n) in tally.refused {
+            metrics::counter!("ankusa_requests_refused_total", "code" => code.to_string())
+                .increment(n);
         }
     }
-    for (code, n) in tally.refused {
-        metrics::counter!("ankusa_requests_refused_total", "code" => code.to_string()).increment(n);
+
+    /// Records how long a request of `op` took since it was `received`.
+    fn timed(&self, op: &str, received: Instant) {
+        if let Some(at) = TIMED.iter().position(|timed| *timed == op) {
+            self.duration[at].record(received.elapsed().as_secs_f64());
+        }
     }
 }
 
