@@ -31,7 +31,7 @@ use crate::config::NodeConfig;
 use crate::health::Health;
 use crate::host::ShardHost;
 use crate::membership::Membership;
-use crate::run::{export_stats, shard_config};
+use crate::run::{export_stats, shard_config, SHARD_TICK, STATS_EVERY};
 
 /// Why fleet mode stopped.
 #[derive(Debug, thiserror::Error)]
@@ -491,7 +491,9 @@ pub async fn run(
         health,
     };
     let mut next_round = Instant::now();
+    let mut next_stats = Instant::now();
     let mut next_tick = Instant::now();
+    let mut next_acquire = Instant::now();
     let mut waiting = false;
     loop {
         let now = Instant::now();
@@ -504,17 +506,22 @@ pub async fn run(
                 if now >= next_round {
                     waiting = fleet.round().await;
                     next_round = Instant::now() + renew_every;
-                } else if waiting {
+                    next_acquire = Instant::now() + ACQUIRE_RETRY;
+                } else if waiting && now >= next_acquire {
                     waiting = fleet.acquire().await;
+                    next_acquire = Instant::now() + ACQUIRE_RETRY;
                     fleet
                         .health
                         .set_shards(fleet.held.len(), fleet.targets().len());
                 }
                 if now >= next_tick {
-                    fleet.restart_failed().await;
                     fleet.host.tick();
+                    next_tick = now + SHARD_TICK;
+                }
+                if now >= next_stats {
+                    fleet.restart_failed().await;
                     export_stats(&fleet.host).await;
-                    next_tick = now + Duration::from_secs(1);
+                    next_stats = now + STATS_EVERY;
                 }
             };
             tokio::pin!(work);
@@ -530,12 +537,12 @@ pub async fn run(
             break;
         }
         let wake_at = if waiting {
-            (Instant::now() + ACQUIRE_RETRY).min(next_round)
+            next_acquire.min(next_round)
         } else {
             next_round
         };
         tokio::select! {
-            _ = tokio::time::sleep_until(wake_at.min(next_tick)) => {}
+            _ = tokio::time::sleep_until(wake_at.min(next_tick).min(next_stats)) => {}
             _ = wake.notified() => next_round = Instant::now(),
             _ = &mut shutdown => break,
         }
