@@ -15,7 +15,8 @@
 //! Expired claims are swept on the shard's tick, never with a timer per claim,
 //! each shard at its own point of the sweep period so that a node's shards do
 //! not all scan their claims at once, and a tenant's table in steps of
-//! [`SWEEP_STEP_BUCKETS`] with its requests answered between them.
+//! [`SWEEP_STEP_BUCKETS`] with its requests answered between them; the parked
+//! tenants' tables (retired ones' included) by the shard, a step a tick.
 //!
 //! Fairness: each tenant has a bounded queue. A tenant flooding its shard is shed
 //! with [`Refused::Overloaded`] at the shard, so the other tenants of the shard,
@@ -468,6 +469,9 @@ pub struct ShardState {
     config: ShardConfig,
     running: Arc<Running>,
     parked: HashMap<Box<str>, TenantState>,
+    /// Parked tenants with claims that the sweep under way has yet to finish,
+    /// swept a step a tick ([`SWEEP_STEP_BUCKETS`] places in all).
+    parked_to_sweep: Vec<Box<str>>,
     last_sweep_us: u64,
     restarts: u64,
 }
@@ -540,9 +544,15 @@ impl ShardState {
         for (name, actor) in quiet {
             // FIFO mailbox: Retire runs after every job already routed to it, and no
             // new job can be routed to it once it left the map.
-            if let Ok(CallResult::Success(mut state)) = actor.call(TenantMsg::Retire, None).await {
-                state.sweep(now);
-                if !state.is_empty(now) {
+            if let Ok(CallResult::Success(state)) = actor.call(TenantMsg::Retire, None).await {
+                // Its claims are swept with the parked ones', in steps: tenants
+                // go quiet together (a burst of traffic ending), and sweeping
+                // all their tables in this turn would stall the node.
+                let has_claims = !state.claims().is_empty();
+                if has_claims || !state.is_empty(now) {
+                    if has_claims {
+                        self.parked_to_sweep.push(name.clone());
+                    }
                     self.parked.insert(name, state);
                 }
             }
@@ -553,10 +563,43 @@ impl ShardState {
             for tenant in self.running.read().values() {
                 let _ = tenant.actor.cast(TenantMsg::Sweep);
             }
-            self.parked.retain(|_, state| {
-                state.sweep(now);
-                !state.is_empty(now)
-            });
+            // Without claims a tenant is checked at once; with claims, in steps.
+            self.parked
+                .retain(|_, state| !state.claims().is_empty() || !state.is_empty(now));
+            self.parked_to_sweep = self
+                .parked
+                .iter()
+                .filter(|(_, state)| !state.claims().is_empty())
+                .map(|(name, _)| name.clone())
+                .collect();
+        }
+        self.sweep_parked(now);
+    }
+
+    /// One step of the sweep of the parked tenants' claims: at most
+    /// [`SWEEP_STEP_BUCKETS`] places of their tables; a tenant left holding
+    /// nothing is dropped.
+    fn sweep_parked(&mut self, now: u64) {
+        let mut budget = SWEEP_STEP_BUCKETS;
+        while budget > 0 {
+            let Some(name) = self.parked_to_sweep.last() else {
+                // The names' room goes too: a million parked tenants made it 8 MB.
+                self.parked_to_sweep = Vec::new();
+                return;
+            };
+            // Gone if it woke up since (and swept by its actor then).
+            let Some(state) = self.parked.get_mut(name) else {
+                self.parked_to_sweep.pop();
+                continue;
+            };
+            let step = state.sweep_step(now, budget);
+            budget = budget.saturating_sub(step.visited.max(1));
+            if step.finished {
+                if state.is_empty(now) {
+                    self.parked.remove(name);
+                }
+                self.parked_to_sweep.pop();
+            }
         }
     }
 
@@ -632,6 +675,7 @@ impl Actor for ShardActor {
             config: args.config,
             running: args.running,
             parked: HashMap::new(),
+            parked_to_sweep: Vec::new(),
             restarts: 0,
         };
         absorb(&mut state, args.tenants);

@@ -377,6 +377,8 @@ struct Claims {
 pub struct SweepStep {
     /// Expired claims dropped.
     pub swept: usize,
+    /// Places of the table looked at.
+    pub visited: usize,
     /// The pass reached the end of the table; the next step starts a new one.
     pub finished: bool,
 }
@@ -544,6 +546,7 @@ impl ClaimTable {
         let Some(claims) = self.entries.as_mut() else {
             return SweepStep {
                 swept: 0,
+                visited: 0,
                 finished: true,
             };
         };
@@ -561,6 +564,7 @@ impl ClaimTable {
             }
         }
         let swept = before - claims.table.len();
+        let visited = end - claims.sweep_from;
         let finished = end >= claims.table.num_buckets() || claims.table.is_empty();
         claims.sweep_from = if finished { 0 } else { end };
         if claims.table.is_empty() {
@@ -576,7 +580,11 @@ impl ClaimTable {
                 table.shrink_to(2 * len, |e| hasher.hash_one((e.source_id(), e.key())));
             }
         }
-        SweepStep { swept, finished }
+        SweepStep {
+            swept,
+            visited,
+            finished,
+        }
     }
 
     /// Claims held, live or not yet swept.

@@ -626,3 +626,41 @@ async fn invalid_requests_are_refused_before_touching_state() {
     // An invalid request wakes no tenant.
     assert_eq!(stats(&shard).await, ShardStats::default());
 }
+
+/// Tenants that go quiet together are parked with their claims and swept a
+/// step a tick, not all in the tick that retires them: the shard's turn stays
+/// short when a burst of traffic ends.
+#[tokio::test]
+async fn tenants_retired_together_are_swept_over_several_ticks() {
+    let clock = ManualClock::new(T0);
+    let shard = spawn_shard(config(&clock, 1, 10), vec![], None)
+        .await
+        .unwrap();
+    const TENANTS: usize = 8;
+    const KEYS: usize = 2_000;
+    for t in 0..TENANTS {
+        for k in 0..KEYS {
+            let mut c = claim(&format!("tenant-{t}"), &format!("evt-{k}"), "hook-1");
+            c.pending_ttl_ms = 1;
+            assert_eq!(hit(&shard, claim_only(c)).await, HitOutcome::Ok);
+        }
+    }
+    // Every claim has expired by the tick that retires the tenants.
+    clock.advance_us(20 * MS);
+    tick(&shard);
+    let s = stats(&shard).await;
+    assert_eq!(s.active_tenants, 0);
+    assert!(
+        s.parked_tenants > 0 && s.claims > 0,
+        "one tick sweeps a step, not every table: {s:?}"
+    );
+    let mut ticks = 1;
+    while stats(&shard).await.parked_tenants > 0 {
+        assert!(ticks < 100, "the parked tenants are never dropped");
+        tick(&shard);
+        ticks += 1;
+    }
+    assert!(ticks > 2, "swept over {ticks} ticks");
+    assert_eq!(stats(&shard).await.claims, 0);
+    assert!(export(&shard).await.is_empty());
+}
