@@ -820,6 +820,26 @@ mod tests {
         }
     }
 
+    /// `key` is held: another hook meets it pending.
+    async fn assert_held(shard: &ShardHandle, key: &str) {
+        let mut req = hit(key);
+        req.charges[0].capacity_us = 1_000_000;
+        if let Some(claim) = req.claim.as_mut() {
+            claim.hook_id = "another".into();
+        }
+        let again = shard.ask(req, None).await;
+        assert!(
+            matches!(
+                again,
+                Ok(Ok(Applied {
+                    outcome: HitOutcome::Pending { .. },
+                    ..
+                }))
+            ),
+            "{key} by another hook: {again:?}"
+        );
+    }
+
     async fn send_hit(shard: &ShardHandle, key: &str) -> Option<Reply<HitOutcome>> {
         shard.ask(hit(key), None).await.ok()
     }
@@ -917,22 +937,7 @@ mod tests {
         }
         // Every claim survived the retirements: each key is held now.
         for i in (0..KEYS).step_by(97) {
-            let mut req = hit(&format!("k{i}"));
-            req.charges[0].capacity_us = 1_000_000;
-            if let Some(claim) = req.claim.as_mut() {
-                claim.hook_id = "another".into();
-            }
-            let again = shard.ask(req, None).await;
-            assert!(
-                matches!(
-                    again,
-                    Ok(Ok(Applied {
-                        outcome: HitOutcome::Pending { .. },
-                        ..
-                    }))
-                ),
-                "k{i} by another hook: {again:?}"
-            );
+            assert_held(&shard, &format!("k{i}")).await;
         }
         let stats = shard
             .actor()
@@ -993,22 +998,7 @@ mod tests {
         }
         assert_eq!(held, live, "the expired claims are swept, the live kept");
         for i in (0..KEYS).step_by(3).step_by(101) {
-            let mut req = hit(&format!("k{i}"));
-            req.charges[0].capacity_us = 1_000_000;
-            if let Some(claim) = req.claim.as_mut() {
-                claim.hook_id = "another".into();
-            }
-            let again = shard.ask(req, None).await;
-            assert!(
-                matches!(
-                    again,
-                    Ok(Ok(Applied {
-                        outcome: HitOutcome::Pending { .. },
-                        ..
-                    }))
-                ),
-                "k{i} is still held: {again:?}"
-            );
+            assert_held(&shard, &format!("k{i}")).await;
         }
     }
 }
