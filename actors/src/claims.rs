@@ -551,11 +551,12 @@ impl ClaimTable {
             };
         };
         let before = claims.table.len();
-        let end = claims
-            .sweep_from
+        // Only a finished pass shrinks the table, so the cursor is always in it.
+        let start = claims.sweep_from.min(claims.table.num_buckets());
+        let end = start
             .saturating_add(buckets)
             .min(claims.table.num_buckets());
-        for index in claims.sweep_from..end {
+        for index in start..end {
             // Removing a claim leaves every other one in its bucket.
             if let Ok(entry) = claims.table.get_bucket_entry(index) {
                 if !entry.get().is_live(now_us) {
@@ -564,7 +565,7 @@ impl ClaimTable {
             }
         }
         let swept = before - claims.table.len();
-        let visited = end - claims.sweep_from;
+        let visited = end - start;
         let finished = end >= claims.table.num_buckets() || claims.table.is_empty();
         claims.sweep_from = if finished { 0 } else { end };
         if claims.table.is_empty() {
