@@ -564,14 +564,15 @@ impl ShardState {
                 let _ = tenant.actor.cast(TenantMsg::Sweep);
             }
             // Without claims a tenant is checked at once; with claims, in steps.
-            self.parked
-                .retain(|_, state| !state.claims().is_empty() || !state.is_empty(now));
-            self.parked_to_sweep = self
-                .parked
-                .iter()
-                .filter(|(_, state)| !state.claims().is_empty())
-                .map(|(name, _)| name.clone())
-                .collect();
+            let to_sweep = &mut self.parked_to_sweep;
+            to_sweep.clear();
+            self.parked.retain(|name, state| {
+                if state.claims().is_empty() {
+                    return !state.is_empty(now);
+                }
+                to_sweep.push(name.clone());
+                true
+            });
         }
         self.sweep_parked(now);
     }
