@@ -66,6 +66,28 @@ pub fn send_signal(pid: u32, signal: Signal) -> Result<(), HarnessError> {
     rustix::process::kill_process(target, signal.number()).map_err(|e| error(e.to_string()))
 }
 
+/// How long [`ChildProcess::pause`] waits for the process's threads to stop.
+const STOP_WAIT: Duration = Duration::from_secs(2);
+
+/// Whether every thread of `pid` is stopped (state `T` or `t` in
+/// `/proc/<pid>/task/<tid>/stat`). False when the process cannot be read.
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|task| {
+        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else {
+            return false;
+        };
+        // The state follows the command name, which is in parentheses and may
+        // itself hold spaces or parentheses.
+        let state = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next());
+        matches!(state, Some("T" | "t"))
+    })
+}
+
 /// Returns the last `lines` lines of a log file (reads at most its last 64 KiB).
 pub fn tail_file(path: &Path, lines: usize) -> String {
     let Ok(mut file) = File::open(path) else {
@@ -194,9 +216,24 @@ impl ChildProcess {
         send_signal(self.pid(), signal)
     }
 
-    /// SIGSTOP.
+    /// SIGSTOP, returning once every thread of the process has stopped.
+    ///
+    /// `kill(2)` only queues the signal: a thread running on another core goes on
+    /// until it is interrupted, long enough to answer a request sent right after.
     pub fn pause(&mut self) -> Result<(), HarnessError> {
-        self.signal(Signal::Stop)
+        self.signal(Signal::Stop)?;
+        let deadline = Instant::now() + STOP_WAIT;
+        while !all_threads_stopped(self.pid()) {
+            if Instant::now() >= deadline || !self.is_running() {
+                return Err(HarnessError::Signal {
+                    signal: Signal::Stop.name(),
+                    pid: self.pid(),
+                    detail: format!("not stopped after {} ms", STOP_WAIT.as_millis()),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(())
     }
 
     /// SIGCONT.
