@@ -100,7 +100,8 @@ redis_port=$(free_port)
 mkdir -p "$work/redis"
 "$redis_bin" --bind 127.0.0.1 --port "$redis_port" --save '' --appendonly no \
   --dir "$work/redis" >"$work/redis.log" 2>&1 &
-pids+=($!)
+redis_pid=$!
+pids+=($redis_pid)
 wait_port "$redis_port" redis-server
 redis_url="redis://127.0.0.1:$redis_port/"
 
@@ -256,8 +257,11 @@ start_fleet bench "$nodes" "$shards"
 cli --instance bench --shards "$shards" status
 for r in $(seq "$runs"); do
   echo; echo "== comparison, run $r of $runs ($rounds rounds, ${duration}s per store) =="
+  # Each run reports the CPU of every process on the host that serves it.
+  cpu_of=(--cpu-of "nats-server=$nats_pid" --cpu-of "redis-server=$redis_pid")
+  for pid in "${node_pids[@]}"; do cpu_of+=(--cpu-of "node=$pid"); done
   cli --instance bench --shards "$shards" bench --compare --rounds "$rounds" --duration-s "$duration" \
-    --redis-url "$redis_url" --json "$out/compare-$r.json" | tee "$out/compare-$r.txt"
+    --redis-url "$redis_url" "${cpu_of[@]}" --json "$out/compare-$r.json" | tee "$out/compare-$r.txt"
 done
 echo; echo "== durable claims =="
 cli bench durable --json "$out/durable.json" | tee "$out/durable.txt"

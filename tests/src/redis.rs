@@ -34,7 +34,7 @@ pub fn redis_server_bin() -> PathBuf {
 /// A running redis-server.
 pub struct RedisServer {
     port: u16,
-    _process: ChildProcess,
+    process: ChildProcess,
 }
 
 impl RedisServer {
@@ -62,10 +62,11 @@ impl RedisServer {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        Ok(Self {
-            port,
-            _process: process,
-        })
+        Ok(Self { port, process })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
     }
 
     pub fn url(&self) -> String {

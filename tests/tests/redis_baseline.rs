@@ -387,8 +387,13 @@ async fn a_short_workload_runs_clean() {
 /// median (of two: the mean) of its rounds' values.
 #[tokio::test]
 async fn the_comparison_takes_the_median_of_its_rounds() {
-    let (nats, node) = standalone_pair("cmp-1").await;
+    let (mut nats, mut node) = standalone_pair("cmp-1").await;
     let server = RedisServer::start().expect("redis-server starts");
+    let watch = [
+        format!("nats-server={}", nats.pid().expect("nats-server runs")),
+        format!("node={}", node.process().pid()),
+        format!("redis-server={}", server.pid()),
+    ];
     let dir = tempfile::tempdir().expect("temp dir");
     let json = dir.path().join("compare.json");
     let out = tokio::process::Command::new(cargo_bin("ankusa"))
@@ -397,6 +402,7 @@ async fn the_comparison_takes_the_median_of_its_rounds() {
         .args(["bench", "--compare", "--rounds", "2", "--duration-s", "0.4"])
         .args(["--tenants", "20", "--concurrency", "16", "--redis-url"])
         .arg(server.url())
+        .args(watch.iter().flat_map(|w| ["--cpu-of", w.as_str()]))
         .arg("--json")
         .arg(&json)
         .env_remove("ANKUSA_NATS")
@@ -432,7 +438,15 @@ async fn the_comparison_takes_the_median_of_its_rounds() {
         );
         for r in round["peak"].as_array().expect("peak") {
             assert!(r["hits"].as_u64() > Some(0), "{r}");
+            // Every watched process is read in every run.
+            let cpu = &r["process_cpu_s"];
+            for name in ["nats-server", "node", "redis-server"] {
+                assert!(cpu[name].as_f64().is_some_and(|s| s >= 0.0), "{name}: {r}");
+            }
         }
+        // The fleet's hits cost its node CPU; the bare echo's do not reach it.
+        let fleet = &round["peak"][2]["process_cpu_s"]["node"];
+        assert!(fleet.as_f64() > Some(0.0), "{fleet}");
         let half_peak = round["half_peak"].as_array().expect("half_peak");
         assert_eq!(half_peak.len(), 2, "unbatched and batched");
         rates.extend(half_peak.iter().map(|h| h["rate_per_sec"].as_f64()));
@@ -446,12 +460,24 @@ async fn the_comparison_takes_the_median_of_its_rounds() {
     let ratios = report["ratios"].as_array().expect("ratios");
     assert_eq!(
         ratios.len(),
-        10,
-        "six judged and two bounds at peak, two at half the peak"
+        11,
+        "six judged and three bounds at peak, two at half the peak"
     );
     let bounds: Vec<_> = ratios.iter().filter(|r| r["target"] == "context").collect();
-    assert_eq!(bounds.len(), 2, "{bounds:?}");
+    assert_eq!(bounds.len(), 3, "{bounds:?}");
     assert!(bounds.iter().all(|r| r["met"].is_null()), "{bounds:?}");
+    // With the node watched, the bound of a free node is measured, and above
+    // the fleet's own ratio to Redis.
+    let free = ratios
+        .iter()
+        .find(|r| r["what"].as_str().is_some_and(|w| w.contains("nodes free")))
+        .expect("the free-node bound");
+    let actual = &ratios[0];
+    assert!(
+        free["value"].as_f64() > actual["value"].as_f64(),
+        "{free} against {actual}"
+    );
+    assert!(stdout.contains("CPU µs per hit and its settle"), "{stdout}");
     for (i, ratio) in ratios.iter().enumerate() {
         let each: Vec<f64> = rounds
             .iter()

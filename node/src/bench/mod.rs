@@ -14,11 +14,15 @@
 //! - [`redis_lua`]: the incumbent. The same contract as one Lua script per call
 //!   on a single `redis-server`, the way the contract's Redis store does it.
 //!
+//! - [`cpu`]: where a run's CPU went, read from the OS: the load generator's,
+//!   the host's, and that of the processes it is told to watch.
+//!
 //! The `ankusa bench` subcommand runs [`workload::run`] with one
 //! [`workload::WorkloadConfig`] against each and prints
 //! [`workload::comparison_table`]. Only loopback targets are meant: every run
 //! is bounded in time and in hits.
 
+pub mod cpu;
 pub mod echo;
 pub mod redis_lua;
 pub mod workload;

@@ -45,6 +45,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, Semaphore};
 use tokio::time::Instant;
 
+use super::cpu::{self, HostCpu, Watched};
+
 /// The longest run a config may ask for.
 pub const MAX_DURATION: Duration = Duration::from_secs(3600);
 /// Most calls one run may have in flight.
@@ -215,6 +217,9 @@ pub struct WorkloadConfig {
     pub seed: u64,
     /// Show a progress bar on stderr when it is a terminal and the run is long.
     pub progress: bool,
+    /// Processes whose CPU the report gives beside the load generator's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub watch: Vec<Watched>,
 }
 
 impl Default for WorkloadConfig {
@@ -239,6 +244,7 @@ impl Default for WorkloadConfig {
             tenant_prefix: "bench".into(),
             seed: 1,
             progress: true,
+            watch: Vec::new(),
         }
     }
 }
@@ -441,6 +447,13 @@ pub struct WorkloadReport {
     /// machine rather than by any one process. `None` off Linux.
     #[serde(default)]
     pub host_busy: Option<f64>,
+    /// CPU seconds the host spent busy during the run, every core summed.
+    #[serde(default)]
+    pub host_cpu_s: Option<f64>,
+    /// CPU seconds of each watched process (by name, summed over its
+    /// processes) during the run; see [`WorkloadConfig::watch`].
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub process_cpu_s: BTreeMap<String, f64>,
 }
 
 /// `self / other` for each figure (`None` where `other`'s is 0). For
@@ -464,9 +477,22 @@ impl WorkloadReport {
     /// The load generator's CPU per hit and its settle, µs (`None` without a
     /// CPU reading or a hit).
     pub fn loadgen_us_per_hit(&self) -> Option<f64> {
-        self.loadgen_cpu_s
-            .filter(|_| self.hits > 0)
-            .map(|cpu| 1e6 * cpu / self.hits as f64)
+        self.loadgen_cpu_s.and_then(|cpu| self.per_hit_us(cpu))
+    }
+
+    /// CPU µs per hit and its settle of `seconds` spent in the run (`None`
+    /// without a hit).
+    fn per_hit_us(&self, seconds: f64) -> Option<f64> {
+        (self.hits > 0).then(|| 1e6 * seconds / self.hits as f64)
+    }
+
+    /// The rate this run would have reached on the same host, as busy, had
+    /// the processes watched as `name` cost nothing and everything else cost
+    /// what it did per hit: a bound on what making them cheaper can gain.
+    pub fn hits_per_sec_without(&self, name: &str) -> Option<f64> {
+        let host = self.host_cpu_s?;
+        let spared = *self.process_cpu_s.get(name)?;
+        (host > spared).then(|| self.hits_per_sec * host / (host - spared))
     }
 
     /// The same report under another name.
@@ -569,6 +595,11 @@ impl fmt::Display for WorkloadReport {
                 "\n  load generator CPU: {cpu:.2} s, {per_hit:.1} µs per hit"
             )?;
         }
+        for (name, &cpu) in &self.process_cpu_s {
+            if let Some(per_hit) = self.per_hit_us(cpu) {
+                write!(f, "\n  {name} CPU: {cpu:.2} s, {per_hit:.1} µs per hit")?;
+            }
+        }
         if let Some(busy) = self.host_busy {
             write!(f, "\n  host CPU busy: {:.0} %", 100.0 * busy)?;
         }
@@ -645,6 +676,55 @@ pub fn comparison_table(reports: &[&WorkloadReport]) -> String {
         "latencies in µs; gen µs/hit: the load generator's CPU per hit and its settle; \
          host: the machine's CPU busy during the run",
     );
+    out
+}
+
+/// Where the CPU of each run went, µs per hit and its settle: the load
+/// generator, each watched process, the rest of the host (the kernel's work
+/// for processes not watched, and anything else running) and the host in all.
+/// Empty when no run watched a process.
+pub fn cpu_table(reports: &[&WorkloadReport]) -> String {
+    let names: std::collections::BTreeSet<&str> = reports
+        .iter()
+        .flat_map(|r| r.process_cpu_s.keys().map(String::as_str))
+        .collect();
+    if names.is_empty() {
+        return String::new();
+    }
+    let cell = |us: Option<f64>| us.map_or_else(|| "-".into(), |us| format!("{us:.1}"));
+    let mut out = format!("{:<12} {:>10} {:>10}", "store", "hits/s", "load gen");
+    for name in &names {
+        out.push_str(&format!(" {name:>12}"));
+    }
+    out.push_str(&format!(" {:>8} {:>8}\n", "rest", "host"));
+    for r in reports {
+        let watched: Vec<Option<f64>> = names
+            .iter()
+            .map(|&name| r.process_cpu_s.get(name).copied())
+            .collect();
+        let host = r.host_cpu_s;
+        let rest = host
+            .zip(r.loadgen_cpu_s)
+            .map(|(host, gen)| (host - gen - watched.iter().flatten().sum::<f64>()).max(0.0));
+        out.push_str(&format!(
+            "{:<12} {:>10.0} {:>10}",
+            r.label,
+            r.hits_per_sec,
+            cell(r.loadgen_us_per_hit())
+        ));
+        for seconds in &watched {
+            out.push_str(&format!(
+                " {:>12}",
+                cell(seconds.and_then(|s| r.per_hit_us(s)))
+            ));
+        }
+        out.push_str(&format!(
+            " {:>8} {:>8}\n",
+            cell(rest.and_then(|s| r.per_hit_us(s))),
+            cell(host.and_then(|s| r.per_hit_us(s)))
+        ));
+    }
+    out.push_str("CPU µs per hit and its settle, by process; rest: the host's other busy time");
     out
 }
 
@@ -1161,8 +1241,9 @@ pub async fn run<S: Store>(
         LoadMode::Concurrency { in_flight } => (0..in_flight).map(|_| Stats::new()).collect(),
         LoadMode::Rate { .. } => Vec::new(),
     };
-    let cpu_at_start = process_cpu();
-    let host_at_start = host_cpu();
+    let cpu_at_start = cpu::own();
+    let host_at_start = HostCpu::now();
+    let watched_at_start = cpu::read_watched(&cfg.watch);
     let start = Instant::now();
     let progress = Progress::start(&plan, start);
     let (stats, abandoned) = match cfg.mode {
@@ -1175,6 +1256,7 @@ pub async fn run<S: Store>(
         } => open_loop(store, Arc::clone(&plan), per_sec, max_in_flight, start).await?,
     };
     drop(progress);
+    let host_at_end = HostCpu::now();
     let elapsed = stats
         .last_done
         .map_or(Duration::ZERO, |t| t.saturating_duration_since(start))
@@ -1203,63 +1285,20 @@ pub async fn run<S: Store>(
         late_sends: stats.late,
         abandoned,
         loadgen_cpu_s: cpu_at_start
-            .zip(process_cpu())
+            .zip(cpu::own())
             .map(|(before, after)| after.saturating_sub(before).as_secs_f64()),
-        host_busy: host_at_start.zip(host_cpu()).and_then(|(before, after)| {
-            let total = after.total.saturating_sub(before.total);
-            let idle = after.idle.saturating_sub(before.idle);
-            (total > 0).then(|| 1.0 - idle as f64 / total as f64)
-        }),
+        process_cpu_s: cpu::used_by_name(
+            &cfg.watch,
+            &watched_at_start,
+            &cpu::read_watched(&cfg.watch),
+        ),
+        host_busy: host_at_start
+            .zip(host_at_end)
+            .and_then(|(before, after)| after.busy_share_since(&before)),
+        host_cpu_s: host_at_start
+            .zip(host_at_end)
+            .and_then(|(before, after)| after.busy_since(&before)),
     })
-}
-
-/// The host's CPU time so far, in clock ticks summed over every core.
-struct HostCpu {
-    total: u64,
-    /// Idle and waiting for I/O.
-    idle: u64,
-}
-
-/// The aggregate `cpu` line of `/proc/stat` (`None` where there is none).
-fn host_cpu() -> Option<HostCpu> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    parse_host_cpu(stat.lines().next()?)
-}
-
-/// `cpu  user nice system idle iowait irq softirq steal …`: guest time is
-/// already inside user and nice, so it is not added again.
-fn parse_host_cpu(line: &str) -> Option<HostCpu> {
-    let mut fields = line.split_whitespace();
-    if fields.next()? != "cpu" {
-        return None;
-    }
-    let ticks: Vec<u64> = fields
-        .take(8)
-        .map(str::parse)
-        .collect::<Result<_, _>>()
-        .ok()?;
-    if ticks.len() < 5 {
-        return None;
-    }
-    Some(HostCpu {
-        total: ticks.iter().sum(),
-        idle: ticks[3] + ticks[4],
-    })
-}
-
-/// CPU time (user and system) this process has used so far.
-fn process_cpu() -> Option<Duration> {
-    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: getrusage only writes the struct it is given, which outlives the call.
-    if unsafe { libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) } != 0 {
-        return None;
-    }
-    // SAFETY: a successful getrusage filled the struct.
-    let usage = unsafe { usage.assume_init() };
-    let time = |t: libc::timeval| {
-        Duration::from_secs(t.tv_sec.max(0) as u64) + Duration::from_micros(t.tv_usec.max(0) as u64)
-    };
-    Some(time(usage.ru_utime) + time(usage.ru_stime))
 }
 
 #[cfg(test)]
@@ -1361,15 +1400,42 @@ mod tests {
         let busy = report.host_busy.expect("/proc/stat on Linux");
         assert!(busy > 0.0 && busy <= 1.0, "{busy}");
         assert_eq!(back.host_busy, report.host_busy);
+        assert!(report.host_cpu_s.is_some_and(|s| s > 0.0));
+        // Nothing watched: no CPU table, no bound.
+        assert!(cpu_table(&[&report]).is_empty());
+        assert_eq!(report.hits_per_sec_without("node"), None);
     }
 
-    #[test]
-    fn the_hosts_cpu_line_is_read_field_by_field() {
-        let cpu = parse_host_cpu("cpu  100 5 50 800 20 3 2 10 0 0").expect("a cpu line");
-        assert_eq!((cpu.total, cpu.idle), (990, 820));
-        assert!(parse_host_cpu("cpu0 100 5 50 800 20 3 2 10").is_none());
-        assert!(parse_host_cpu("cpu  100 5 x 800").is_none());
-        assert!(parse_host_cpu("cpu  100 5").is_none());
+    #[tokio::test]
+    async fn a_watched_process_is_reported_beside_the_load_generator() {
+        // The load generator watches itself: the two readings must agree, and
+        // sparing its CPU would raise the rate (the host did other work too).
+        let mut cfg = quick(LoadMode::Concurrency { in_flight: 8 });
+        cfg.watch = vec![Watched {
+            name: "me".into(),
+            pid: std::process::id(),
+        }];
+        let report = run(Arc::new(LocalStore::default()), &cfg).await.unwrap();
+        let me = report.process_cpu_s["me"];
+        let gen = report.loadgen_cpu_s.expect("getrusage on Linux");
+        assert!((me - gen).abs() < 0.1, "{me} vs {gen}");
+        assert!(report.to_string().contains("me CPU:"));
+        let back: WorkloadReport = serde_json::from_str(&report.to_json()).unwrap();
+        assert_eq!(back.process_cpu_s, report.process_cpu_s);
+        assert_eq!(back.config.watch, cfg.watch);
+        let table = cpu_table(&[&report.clone().labelled("local")]);
+        assert!(table.lines().next().is_some_and(|head| head.contains("me")));
+        assert!(table.contains("local"));
+
+        let mut made_up = report.clone();
+        made_up.hits_per_sec = 1000.0;
+        made_up.host_cpu_s = Some(4.0);
+        made_up.process_cpu_s.insert("me".into(), 1.0);
+        let bound = made_up.hits_per_sec_without("me").expect("a bound");
+        assert!((bound - 1000.0 * 4.0 / 3.0).abs() < 1e-6, "{bound}");
+        made_up.host_cpu_s = Some(1.0);
+        assert_eq!(made_up.hits_per_sec_without("me"), None);
+        assert_eq!(made_up.hits_per_sec_without("nobody"), None);
     }
 
     #[tokio::test]

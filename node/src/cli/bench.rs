@@ -28,7 +28,8 @@ use ankusa_bus::{FleetConfig, FleetStore, NatsOptions};
 use clap::{Args, Subcommand};
 use serde::Serialize;
 
-use crate::bench::workload::{self, comparison_table, BucketLimits};
+use crate::bench::cpu::{self, Watched};
+use crate::bench::workload::{self, comparison_table, cpu_table, BucketLimits};
 use crate::bench::{
     EchoResponder, EchoStore, LoadMode, NodeEchoResponder, RedisLuaStore, TenantDistribution,
 };
@@ -137,6 +138,10 @@ pub struct WorkloadArgs {
     /// Seed of the random choices
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Also report the CPU of process PID, as NAME (repeat it; processes
+    /// sharing a name are summed), e.g. --cpu-of nats-server=1234
+    #[arg(long = "cpu-of", value_name = "NAME=PID")]
+    pub cpu_of: Vec<Watched>,
 }
 
 impl WorkloadArgs {
@@ -170,8 +175,15 @@ impl WorkloadArgs {
             limits: BucketLimits::generous(),
             ttl_ms: self.ttl_ms,
             seed: self.seed,
+            watch: self.cpu_of.clone(),
             ..WorkloadConfig::default()
         };
+        if let Some(gone) = self.cpu_of.iter().find(|w| cpu::of_pid(w.pid).is_none()) {
+            return Err(CliError::Usage(format!(
+                "--cpu-of {}={}: no process {} whose CPU this host tells",
+                gone.name, gone.pid, gone.pid
+            )));
+        }
         cfg.validate()
             .map_err(|e| CliError::Usage(format!("workload: {e}")))?;
         Ok(cfg)
@@ -418,6 +430,10 @@ pub struct HalfPeak {
     pub echo_saturated: bool,
 }
 
+/// The name `--cpu-of` gives the fleet's nodes (`scripts/bench.sh` does), for
+/// the bound on what a cheaper node could gain.
+const NODE_PROCESS: &str = "node";
+
 /// The stores at peak in one round.
 struct Peaks {
     echo: WorkloadReport,
@@ -453,6 +469,14 @@ impl Peaks {
                 "fleet+batch / redis-lua hit p99",
                 vs(batch, redis).hit_p99,
                 Target::LowerIsBetter,
+            ),
+            Ratio::new(
+                "fleet / redis-lua hits/s were the nodes free: a bound",
+                fleet
+                    .hits_per_sec_without(NODE_PROCESS)
+                    .zip(Some(redis.hits_per_sec).filter(|&r| r > 0.0))
+                    .map(|(free, redis)| free / redis),
+                Target::Context,
             ),
             Ratio::new(
                 "fleet / echo hits/s (no batching)",
@@ -626,6 +650,14 @@ async fn compare(global: &Global, args: &BenchArgs, cfg: WorkloadConfig) -> Resu
     Ok(())
 }
 
+/// The CPU table of `reports`, when any watched a process.
+fn print_cpu(reports: &[&WorkloadReport]) {
+    let table = cpu_table(reports);
+    if !table.is_empty() {
+        println!("\n{table}");
+    }
+}
+
 fn print_comparison(cfg: &WorkloadConfig, rounds: &[CompareRound], ratios: &[Ratio]) {
     let several = rounds.len() > 1;
     for (i, round) in rounds.iter().enumerate() {
@@ -644,6 +676,7 @@ fn print_comparison(cfg: &WorkloadConfig, rounds: &[CompareRound], ratios: &[Rat
         }
         let refs: Vec<&WorkloadReport> = round.peak.iter().collect();
         println!("\n{}", comparison_table(&refs));
+        print_cpu(&refs);
         if !round.half_peak.is_empty() {
             println!("\n== {which}open loop at 50% of the fleet's peak ==");
             let rows: Vec<&WorkloadReport> = round
@@ -651,7 +684,9 @@ fn print_comparison(cfg: &WorkloadConfig, rounds: &[CompareRound], ratios: &[Rat
                 .iter()
                 .flat_map(|h| [&h.echo, &h.fleet])
                 .collect();
-            println!("{}\n", comparison_table(&rows));
+            println!("{}", comparison_table(&rows));
+            print_cpu(&rows);
+            println!();
         }
     }
     if several {
