@@ -213,13 +213,22 @@ fn frame_version(payload: &[u8]) -> Option<u64> {
 }
 
 impl Op {
+    /// Every operation's wire name, in declaration order: `NAMES[op.index()]`
+    /// is `op.name()`.
+    pub const NAMES: [&'static str; 4] = ["hit", "settle", "reset", "batch"];
+
     /// The operation's wire name, for logs and metrics.
     pub fn name(&self) -> &'static str {
+        Self::NAMES[self.index()]
+    }
+
+    /// The operation's place in [`Op::NAMES`], for tables indexed by it.
+    pub fn index(&self) -> usize {
         match self {
-            Op::Hit(_) => "hit",
-            Op::Settle(_) => "settle",
-            Op::Reset { .. } => "reset",
-            Op::Batch(_) => "batch",
+            Op::Hit(_) => 0,
+            Op::Settle(_) => 1,
+            Op::Reset { .. } => 2,
+            Op::Batch(_) => 3,
         }
     }
 }
@@ -530,6 +539,37 @@ mod tests {
                 }),
             }),
         )
+    }
+
+    #[test]
+    fn each_op_is_named_as_on_the_wire() {
+        let Op::Hit(hit_op) = hit().op else {
+            unreachable!("hit() is a hit")
+        };
+        let claim = hit_op.claim.clone().expect("hit() claims");
+        let ops = [
+            Op::Hit(hit_op),
+            Op::Settle(SettleRequest {
+                claim,
+                settlement: ankusa_actors::Settlement::Commit,
+            }),
+            Op::Reset { tenant: "t".into() },
+            Op::Batch(vec![hit()]),
+        ];
+        for (index, op) in ops.iter().enumerate() {
+            assert_eq!(op.index(), index);
+            assert_eq!(op.name(), Op::NAMES[index]);
+            // An op is a map of one entry keyed by its name (a fixstr).
+            let name = op.name().as_bytes();
+            let mut key = vec![0x81, 0xa0 | name.len() as u8];
+            key.extend_from_slice(name);
+            let bytes = Request::encode_op(1, op);
+            assert!(
+                bytes.windows(key.len()).any(|w| w == key.as_slice()),
+                "{} not keyed as such in {bytes:x?}",
+                op.name()
+            );
+        }
     }
 
     #[test]

@@ -269,9 +269,12 @@ async fn run(
         };
         let received = Instant::now();
         let (op, asked) = match Request::decode(&message.payload) {
-            Ok(request) => (request.op.name(), ask_shard(&ctx, request, received)),
+            Ok(request) => (
+                Timed::Op(request.op.index()),
+                ask_shard(&ctx, request, received),
+            ),
             Err(err) => (
-                "undecodable",
+                Timed::Undecodable,
                 Asked::One(Pending::Now(ReplyBody::Error(err.into()))),
             ),
         };
@@ -436,7 +439,7 @@ async fn run_node(
                     .collect(),
             );
             request_metrics.count(&body);
-            request_metrics.timed("node_batch", received);
+            request_metrics.timed(Timed::NodeBatch, received);
             send_reply(&client, reply_to, Reply::new(body)).await;
             drop(guard);
         });
@@ -545,19 +548,45 @@ fn window_open(window: &Option<ServeWindow>) -> bool {
 struct RequestMetrics {
     /// `ankusa_requests_total`, at `Answered as usize`.
     answered: [metrics::Counter; Answered::ALL.len()],
-    /// `ankusa_request_duration_seconds`, at the index of its op in [`TIMED`].
-    duration: [metrics::Histogram; TIMED.len()],
+    /// `ankusa_request_duration_seconds`, at [`Timed::slot`].
+    duration: [metrics::Histogram; Timed::SLOTS],
 }
 
-/// The `op` labels of `ankusa_request_duration_seconds`.
-const TIMED: [&str; 6] = [
-    "hit",
-    "settle",
-    "reset",
-    "batch",
-    "undecodable",
-    "node_batch",
-];
+/// What a request's time is recorded under: the `op` label of
+/// `ankusa_request_duration_seconds`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Timed {
+    /// A request on a shard's subject, by its op's place in [`Op::NAMES`].
+    Op(usize),
+    /// A payload that could not be read.
+    Undecodable,
+    /// A batch on the node's own subject.
+    NodeBatch,
+}
+
+impl Timed {
+    /// The labels past the ops', in slot order.
+    const OTHERS: [&'static str; 2] = ["undecodable", "node_batch"];
+    const SLOTS: usize = Op::NAMES.len() + Self::OTHERS.len();
+
+    fn slot(self) -> usize {
+        match self {
+            Timed::Op(index) => index,
+            Timed::Undecodable => Op::NAMES.len(),
+            Timed::NodeBatch => Op::NAMES.len() + 1,
+        }
+    }
+
+    /// The label of a slot.
+    fn label(slot: usize) -> &'static str {
+        Op::NAMES
+            .iter()
+            .chain(&Self::OTHERS)
+            .nth(slot)
+            .copied()
+            .unwrap_or("other")
+    }
+}
 
 impl RequestMetrics {
     /// Made after the node installed its recorder (before any responder
@@ -567,8 +596,9 @@ impl RequestMetrics {
             answered: Answered::ALL.map(
                 |result| metrics::counter!("ankusa_requests_total", "result" => result.label()),
             ),
-            duration: TIMED
-                .map(|op| metrics::histogram!("ankusa_request_duration_seconds", "op" => op)),
+            duration: std::array::from_fn(
+                |slot| metrics::histogram!("ankusa_request_duration_seconds", "op" => Timed::label(slot)),
+            ),
         })
     }
 
@@ -590,10 +620,10 @@ impl RequestMetrics {
         }
     }
 
-    /// Records how long a request of `op` took since it was `received`.
-    fn timed(&self, op: &str, received: Instant) {
-        if let Some(at) = TIMED.iter().position(|timed| *timed == op) {
-            self.duration[at].record(received.elapsed().as_secs_f64());
+    /// Records how long a request took since it was `received`.
+    fn timed(&self, what: Timed, received: Instant) {
+        if let Some(histogram) = self.duration.get(what.slot()) {
+            histogram.record(received.elapsed().as_secs_f64());
         }
     }
 }
@@ -918,6 +948,18 @@ fn hand_over(ctx: &ShardContext, request: Request, received: Instant) -> Pending
 mod tests {
     use super::*;
     use ankusa_actors::{HitOutcome, SettleOutcome};
+
+    #[test]
+    fn every_op_is_timed_under_its_own_name() {
+        let labels: Vec<&str> = (0..Timed::SLOTS).map(Timed::label).collect();
+        for (index, name) in Op::NAMES.iter().enumerate() {
+            assert_eq!(labels[Timed::Op(index).slot()], *name);
+        }
+        assert_eq!(labels[Timed::Undecodable.slot()], "undecodable");
+        assert_eq!(labels[Timed::NodeBatch.slot()], "node_batch");
+        let distinct: std::collections::HashSet<_> = labels.iter().collect();
+        assert_eq!(distinct.len(), labels.len(), "{labels:?}");
+    }
 
     #[test]
     fn a_batch_is_tallied_answer_by_answer() {
