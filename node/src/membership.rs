@@ -53,19 +53,17 @@ impl View {
     /// The heartbeats seen within `ttl` (a heartbeat lives that long), if the
     /// view is current: caught up, and this node's own heartbeat seen within
     /// `ttl` — a watch that stopped delivering would keep nodes that left.
-    fn live(&self, now: Instant, ttl: Duration) -> Option<Vec<Heartbeat>> {
+    ///
+    /// Heartbeats older than `ttl` are forgotten here: a node whose last one
+    /// lapsed without a marker saying so (a bucket made by an earlier release)
+    /// is gone, and its next heartbeat, if it comes back, is a change.
+    fn live(&mut self, now: Instant, ttl: Duration) -> Option<Vec<Heartbeat>> {
         let fresh = |at: &Instant| now.saturating_duration_since(*at) < ttl;
-        let mine = self.beats.get(&self.me).is_some_and(|(_, at)| fresh(at));
-        if !(self.caught_up && mine) {
+        self.beats.retain(|_, (_, at)| fresh(at));
+        if !(self.caught_up && self.beats.contains_key(&self.me)) {
             return None;
         }
-        Some(
-            self.beats
-                .values()
-                .filter(|(_, at)| fresh(at))
-                .map(|(beat, _)| beat.clone())
-                .collect(),
-        )
+        Some(self.beats.values().map(|(beat, _)| beat.clone()).collect())
     }
 }
 
@@ -80,7 +78,8 @@ const REWATCH_AFTER: Duration = Duration::from_secs(1);
 
 impl Membership {
     /// Starts watching the heartbeats; `wake` is notified whenever a node
-    /// joins, leaves or lapses (renewals of known nodes wake nobody).
+    /// joins or leaves (renewals of known nodes wake nobody; a heartbeat that
+    /// lapses without a marker is found by the next round's [`Membership::live`]).
     pub fn watch(kv: FleetKv, me: &str, wake: Arc<Notify>) -> Self {
         let view = Arc::new(Mutex::new(View::new(me.to_string())));
         let kept = view.clone();
@@ -140,7 +139,7 @@ mod tests {
         }
     }
 
-    fn nodes(view: &View, now: Instant) -> Option<Vec<String>> {
+    fn nodes(view: &mut View, now: Instant) -> Option<Vec<String>> {
         view.live(now, TTL)
             .map(|beats| beats.into_iter().map(|b| b.node).collect())
     }
@@ -160,14 +159,16 @@ mod tests {
             },
             t0
         ));
-        assert_eq!(nodes(&view, t0), Some(vec!["a".into(), "b".into()]));
+        assert_eq!(nodes(&mut view, t0), Some(vec!["a".into(), "b".into()]));
         // `a` renews; `b`'s last heartbeat lapses without a marker saying so.
         view.apply(beat("a"), t0 + TTL);
         assert_eq!(
-            nodes(&view, t0 + TTL + TTL / 4),
+            nodes(&mut view, t0 + TTL + TTL / 4),
             Some(vec!["a".into(), "b".into()])
         );
-        assert_eq!(nodes(&view, t0 + TTL * 3 / 2), Some(vec!["a".into()]));
+        assert_eq!(nodes(&mut view, t0 + TTL * 3 / 2), Some(vec!["a".into()]));
+        // Forgotten: `b` coming back is a change again.
+        assert!(view.apply(beat("b"), t0 + TTL * 3 / 2));
     }
 
     #[test]
@@ -177,24 +178,28 @@ mod tests {
         let mut early = beat("b");
         early.caught_up = false;
         view.apply(early, t0);
-        assert_eq!(nodes(&view, t0), None, "more heartbeats were still coming");
+        assert_eq!(
+            nodes(&mut view, t0),
+            None,
+            "more heartbeats were still coming"
+        );
         view.apply(beat("b"), t0);
         assert_eq!(
-            nodes(&view, t0),
+            nodes(&mut view, t0),
             None,
             "this node's own heartbeat is missing"
         );
         view.apply(beat("a"), t0);
-        assert_eq!(nodes(&view, t0), Some(vec!["a".into(), "b".into()]));
+        assert_eq!(nodes(&mut view, t0), Some(vec!["a".into(), "b".into()]));
         assert_eq!(
-            nodes(&view, t0 + TTL),
+            nodes(&mut view, t0 + TTL),
             None,
             "no heartbeat came back for a lifetime"
         );
         view.reset();
         view.apply(beat("a"), t0 + TTL);
         assert_eq!(
-            nodes(&view, t0 + TTL),
+            nodes(&mut view, t0 + TTL),
             Some(vec!["a".into()]),
             "a watch begun again starts from what it delivers"
         );
