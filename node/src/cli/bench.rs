@@ -474,8 +474,8 @@ impl Peaks {
                 "fleet / redis-lua hits/s were the nodes free: a bound",
                 fleet
                     .hits_per_sec_without(NODE_PROCESS)
-                    .zip(Some(redis.hits_per_sec).filter(|&r| r > 0.0))
-                    .map(|(free, redis)| free / redis),
+                    .filter(|_| redis.hits_per_sec > 0.0)
+                    .map(|free| free / redis.hits_per_sec),
                 Target::Context,
             ),
             Ratio::new(
