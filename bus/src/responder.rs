@@ -413,7 +413,8 @@ async fn run_node(
             continue;
         };
         let received = Instant::now();
-        let items = match ask_node(&table, &message.payload, received) {
+        let (timed, asked) = ask_node(&table, &message.payload, received);
+        let items = match asked {
             Asked::Batch(items) => items,
             // A lone call is answered as itself, not as a batch of one.
             Asked::One(lone) => {
@@ -421,6 +422,7 @@ async fn run_node(
                     client.clone(),
                     reply_to,
                     lone,
+                    (timed, received),
                     in_flight.enter(),
                     request_metrics.clone(),
                 ));
@@ -439,7 +441,7 @@ async fn run_node(
                     .collect(),
             );
             request_metrics.count(&body);
-            request_metrics.timed(Timed::NodeBatch, received);
+            request_metrics.timed(timed, received);
             send_reply(&client, reply_to, Reply::new(body)).await;
             drop(guard);
         });
@@ -452,10 +454,14 @@ async fn run_node(
 /// Hands a request on the node's subject (a batch, or a lone call) to the
 /// actors of the shards it is for. A batch's items are all handed over before
 /// any answer is awaited, under one look at the table.
-fn ask_node(table: &ShardTable, payload: &[u8], received: Instant) -> Asked<(Pending, ShardHold)> {
+fn ask_node(
+    table: &ShardTable,
+    payload: &[u8],
+    received: Instant,
+) -> (Timed, Asked<(Pending, ShardHold)>) {
     let unheld = |body| Asked::One((Pending::Now(body), ShardHold::none()));
     match Request::decode(payload) {
-        Err(err) => unheld(ReplyBody::Error(err.into())),
+        Err(err) => (Timed::Undecodable, unheld(ReplyBody::Error(err.into()))),
         Ok(Request {
             op: Op::Batch(items),
             timeout_ms,
@@ -463,16 +469,18 @@ fn ask_node(table: &ShardTable, payload: &[u8], received: Instant) -> Asked<(Pen
         }) => match admit(timeout_ms, Request::validate_batch(&items)) {
             Ok(()) => {
                 let served = table.read();
-                Asked::Batch(
-                    items
-                        .into_iter()
-                        .map(|item| route(&served, table.0.shards, item, received))
-                        .collect(),
-                )
+                let items = items
+                    .into_iter()
+                    .map(|item| route(&served, table.0.shards, item, received))
+                    .collect();
+                (Timed::NodeBatch, Asked::Batch(items))
             }
-            Err(body) => unheld(body),
+            Err(body) => (Timed::NodeBatch, unheld(body)),
         },
-        Ok(lone) => Asked::One(route(&table.read(), table.0.shards, lone, received)),
+        Ok(lone) => (
+            Timed::Op(lone.op.index()),
+            Asked::One(route(&table.read(), table.0.shards, lone, received)),
+        ),
     }
 }
 
@@ -480,11 +488,13 @@ async fn answer_lone(
     client: async_nats::Client,
     reply_to: async_nats::Subject,
     (pending, hold): (Pending, ShardHold),
+    (timed, received): (Timed, Instant),
     in_flight: InFlightGuard,
     request_metrics: Arc<RequestMetrics>,
 ) {
     let body = hold.checked(pending.answer().await.durable_body().await);
     request_metrics.count(&body);
+    request_metrics.timed(timed, received);
     send_reply(&client, reply_to, Reply::new(body)).await;
     drop(in_flight);
 }

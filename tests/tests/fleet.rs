@@ -509,6 +509,23 @@ async fn a_node_subject_answers_for_its_own_shards_only_and_edges_batch_there() 
         ReplyBody::Error(err) => assert_eq!(err.code, ErrorCode::Malformed),
         other => panic!("garbage answered {other:?}"),
     }
+    // A lone call on a node's subject is answered as itself, and timed, like
+    // the garbage, under its own name.
+    let duration_count = |op: &str| format!("ankusa_request_duration_seconds_count{{op=\"{op}\"}}");
+    let hits_before = nodes[0].metric(&duration_count("hit")).await.unwrap_or(0.0);
+    let own = (0..SHARDS)
+        .find(|s| owners[s] == "node-a")
+        .expect("node-a owns a shard");
+    let reply = ask(
+        subjects.node("node-a"),
+        Request::new(1_000, Op::Hit(hit(&tenant_on(own), "lone", "h"))),
+    )
+    .await;
+    assert_eq!(reply.body, ReplyBody::Hit(HitOutcome::Ok));
+    let hits_after = nodes[0].metric(&duration_count("hit")).await.unwrap_or(0.0);
+    assert!(hits_after > hits_before, "{hits_before} -> {hits_after}");
+    let undecodable = nodes[0].metric(&duration_count("undecodable")).await;
+    assert!(undecodable >= Some(1.0), "{undecodable:?}");
 
     // One batch to node-a with an item for every shard: node-a applies its own
     // and answers `wrong_node` for the others, applying nothing of theirs.
