@@ -566,7 +566,8 @@ struct RequestMetrics {
 /// `ankusa_request_duration_seconds`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Timed {
-    /// A request on a shard's subject, by its op's place in [`Op::NAMES`].
+    /// A request of one op (on a shard's subject, or lone on the node's), by
+    /// the op's place in [`Op::NAMES`].
     Op(usize),
     /// A payload that could not be read.
     Undecodable,
