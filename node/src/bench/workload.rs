@@ -1256,6 +1256,10 @@ pub async fn run<S: Store>(
         } => open_loop(store, Arc::clone(&plan), per_sec, max_in_flight, start).await?,
     };
     drop(progress);
+    // Every reading of the end taken together, as those of the start were:
+    // the table's "rest" is the host's time less the others'.
+    let cpu_at_end = cpu::own();
+    let watched_at_end = cpu::read_watched(&cfg.watch);
     let host_at_end = HostCpu::now();
     let elapsed = stats
         .last_done
@@ -1285,13 +1289,9 @@ pub async fn run<S: Store>(
         late_sends: stats.late,
         abandoned,
         loadgen_cpu_s: cpu_at_start
-            .zip(cpu::own())
+            .zip(cpu_at_end)
             .map(|(before, after)| after.saturating_sub(before).as_secs_f64()),
-        process_cpu_s: cpu::used_by_name(
-            &cfg.watch,
-            &watched_at_start,
-            &cpu::read_watched(&cfg.watch),
-        ),
+        process_cpu_s: cpu::used_by_name(&cfg.watch, &watched_at_start, &watched_at_end),
         host_busy: host_at_start
             .zip(host_at_end)
             .and_then(|(before, after)| after.busy_share_since(&before)),
