@@ -1,13 +1,17 @@
 //! The cost of the wire protocol on a node: decoding an edge's batch of hits
-//! (or settles) as `ankusa bench` sends them, and encoding the batch's reply.
+//! (or settles) as `ankusa bench` sends them, and encoding the batch's reply;
+//! and what an unbatched call costs to encode: the edge's request, the node's
+//! reply and the claim-log change it writes.
 //!
 //! Run: `cargo bench -p ankusa-bus --bench protocol`.
 
 use std::hint::black_box;
 
 use ankusa_actors::{
-    Charge, Claim, HitOutcome, HitRequest, Kind, SettleOutcome, SettleRequest, Settlement,
+    Charge, Claim, ClaimChange, ClaimRecord, HitOutcome, HitRequest, Kind, SettleOutcome,
+    SettleRequest, Settlement,
 };
+use ankusa_bus::claimlog::EncodedChange;
 use ankusa_bus::protocol::{Op, Reply, ReplyBody, Request};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 
@@ -82,6 +86,35 @@ fn protocol(c: &mut Criterion) {
         b.iter(|| black_box(Reply::decode(black_box(&mixed))))
     });
     group.finish();
+
+    let mut lone = c.benchmark_group("lone");
+    let one_hit = hit(1);
+    lone.bench_function("encode_hit", |b| {
+        b.iter(|| black_box(Request::encode_op(250, black_box(&one_hit))))
+    });
+    let ok = Reply::new(ReplyBody::Hit(HitOutcome::Ok));
+    lone.bench_function("encode_reply", |b| {
+        b.iter(|| black_box(black_box(&ok).encode()))
+    });
+    let Op::Hit(HitRequest {
+        claim: Some(claimed),
+        ..
+    }) = &one_hit
+    else {
+        unreachable!("hit() always claims")
+    };
+    let change = ClaimChange::Put(ClaimRecord::new(
+        &claimed.source_id,
+        &claimed.key,
+        &claimed.hook_id,
+        Some(&claimed.node),
+        false,
+        1_700_000_000_000_000,
+    ));
+    lone.bench_function("encode_claim_change", |b| {
+        b.iter(|| black_box(EncodedChange::claim(3, &claimed.tenant, black_box(&change))))
+    });
+    lone.finish();
 }
 
 criterion_group!(benches, protocol);

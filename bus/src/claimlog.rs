@@ -48,6 +48,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use crate::kv::KvError;
+use crate::protocol::{encode_compact, MESSAGE_ROOM};
 
 /// Shards whose changes share a group log: `log = shard / SHARDS_PER_LOG`.
 /// Part of the stored format (format 1): every node of an instance must agree
@@ -147,7 +148,7 @@ impl EncodedChange {
 
     fn encode(entry: &LoggedChangeRef<'_>, keep_until_us: u64) -> Self {
         Self {
-            bytes: rmp_serde::to_vec(entry).unwrap_or_default(),
+            bytes: encode_compact(entry, MESSAGE_ROOM),
             keep_until_us,
         }
     }

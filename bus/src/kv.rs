@@ -40,6 +40,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::claimlog::{self, EncodedChange, Replay};
 use crate::lock;
 use crate::persist::PersistError;
+use crate::protocol::{encode_named, MESSAGE_ROOM};
 
 /// Why a KV operation failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -162,7 +163,7 @@ fn ttl_secs_until(expires_us: u64, now_us: u64) -> u64 {
 }
 
 fn encode<T: Serialize>(value: &T) -> Bytes {
-    Bytes::from(rmp_serde::to_vec_named(value).unwrap_or_default())
+    Bytes::from(encode_named(value, MESSAGE_ROOM))
 }
 
 fn decode<T: for<'de> Deserialize<'de>>(key: &str, payload: &[u8]) -> Result<T, KvError> {
