@@ -250,8 +250,12 @@ async fn run(
     mut stopped: watch::Receiver<bool>,
     in_flight: Arc<InFlight>,
 ) {
-    let node: Option<Arc<str>> = ctx.routing.as_ref().map(|r| r.node.clone());
-    let request_metrics = RequestMetrics::new();
+    let answering = Arc::new(Answering {
+        client: client.clone(),
+        window: ctx.window.clone(),
+        node: ctx.routing.as_ref().map(|r| r.node.clone()),
+        metrics: RequestMetrics::new(),
+    });
     loop {
         let message = tokio::select! {
             message = subscription.next() => message,
@@ -279,10 +283,7 @@ async fn run(
             ),
         };
         let guard = in_flight.enter();
-        let client = client.clone();
-        let window = ctx.window.clone();
-        let node = node.clone();
-        let request_metrics = request_metrics.clone();
+        let answering = answering.clone();
         tokio::spawn(async move {
             let body = match asked {
                 Asked::One(pending) => pending.answer().await.durable_body().await,
@@ -291,20 +292,14 @@ async fn run(
                     batch_body(answer_batch(items).await)
                 }
             };
-            if !window_open(&window) {
+            if !window_open(&answering.window) {
                 // The lease lapsed while this was in flight: someone else owns the
                 // shard now and answers for it.
                 metrics::counter!("ankusa_requests_dropped_total", "why" => "lease").increment(1);
                 return;
             }
-            request_metrics.count(&body);
-            request_metrics.timed(op, received);
-            send_reply(
-                &client,
-                reply_to,
-                Reply::new(body).from_node(node.as_deref()),
-            )
-            .await;
+            let reply = Reply::new(body).from_node(answering.node.as_deref());
+            answering.send((op, received), reply_to, reply).await;
             drop(guard);
         });
     }
@@ -400,7 +395,12 @@ async fn run_node(
     mut stopped: watch::Receiver<bool>,
 ) {
     let in_flight = Arc::new(InFlight::default());
-    let request_metrics = RequestMetrics::new();
+    let answering = Arc::new(Answering {
+        client: client.clone(),
+        window: None,
+        node: None,
+        metrics: RequestMetrics::new(),
+    });
     loop {
         let message = tokio::select! {
             message = subscription.next() => message,
@@ -419,19 +419,17 @@ async fn run_node(
             // A lone call is answered as itself, not as a batch of one.
             Asked::One(lone) => {
                 tokio::spawn(answer_lone(
-                    client.clone(),
+                    answering.clone(),
                     reply_to,
                     lone,
                     (timed, received),
                     in_flight.enter(),
-                    request_metrics.clone(),
                 ));
                 continue;
             }
         };
         let guard = in_flight.enter();
-        let client = client.clone();
-        let request_metrics = request_metrics.clone();
+        let answering = answering.clone();
         tokio::spawn(async move {
             let body = ReplyBody::Batch(
                 answer_batch(items)
@@ -440,9 +438,9 @@ async fn run_node(
                     .map(|(body, hold)| Reply::new(hold.checked(body)))
                     .collect(),
             );
-            request_metrics.count(&body);
-            request_metrics.timed(timed, received);
-            send_reply(&client, reply_to, Reply::new(body)).await;
+            answering
+                .send((timed, received), reply_to, Reply::new(body))
+                .await;
             drop(guard);
         });
     }
@@ -485,25 +483,43 @@ fn ask_node(
 }
 
 async fn answer_lone(
-    client: async_nats::Client,
+    answering: Arc<Answering>,
     reply_to: async_nats::Subject,
     (pending, hold): (Pending, ShardHold),
-    (timed, received): (Timed, Instant),
+    timed: (Timed, Instant),
     in_flight: InFlightGuard,
-    request_metrics: Arc<RequestMetrics>,
 ) {
     let body = hold.checked(pending.answer().await.durable_body().await);
-    request_metrics.count(&body);
-    request_metrics.timed(timed, received);
-    send_reply(&client, reply_to, Reply::new(body)).await;
+    answering.send(timed, reply_to, Reply::new(body)).await;
     drop(in_flight);
 }
 
-/// Publishes a reply; one that cannot be sent is only logged (the caller's
-/// deadline tells it).
-async fn send_reply(client: &async_nats::Client, reply_to: async_nats::Subject, reply: Reply) {
-    if let Err(err) = client.publish(reply_to, reply.encode().into()).await {
-        tracing::debug!(error = %err, "reply not sent");
+/// What a responder's answers share, in one place so that each answer holds
+/// it by one count rather than a clone of every field.
+struct Answering {
+    client: async_nats::Client,
+    /// The shard's window (on a shard's subject), checked before answering.
+    window: Option<ServeWindow>,
+    /// The node named in answers on a shard's subject.
+    node: Option<Arc<str>>,
+    metrics: RequestMetrics,
+}
+
+impl Answering {
+    /// Counts and times a reply, then publishes it; one that cannot be sent
+    /// is only logged (the caller's deadline tells it).
+    async fn send(
+        &self,
+        (timed, received): (Timed, Instant),
+        reply_to: async_nats::Subject,
+        reply: Reply,
+    ) {
+        self.metrics.count(&reply.body);
+        self.metrics.timed(timed, received);
+        let sent = self.client.publish(reply_to, reply.encode().into()).await;
+        if let Err(err) = sent {
+            tracing::debug!(error = %err, "reply not sent");
+        }
     }
 }
 
@@ -602,15 +618,15 @@ impl Timed {
 impl RequestMetrics {
     /// Made after the node installed its recorder (before any responder
     /// starts); without one, every handle is a no-op.
-    fn new() -> Arc<Self> {
-        Arc::new(Self {
+    fn new() -> Self {
+        Self {
             answered: Answered::ALL.map(
                 |result| metrics::counter!("ankusa_requests_total", "result" => result.label()),
             ),
             duration: std::array::from_fn(
                 |slot| metrics::histogram!("ankusa_request_duration_seconds", "op" => Timed::label(slot)),
             ),
-        })
+        }
     }
 
     /// Counts a reply's answers in `ankusa_requests_total` (by result) and
