@@ -19,13 +19,15 @@
 #                    [--memory | --memory-only] [--memory-count N]
 #                    [--memory-what 'claims tenants control parked'] [--out DIR]
 #   scripts/bench.sh --scale [--duration S]   # 1, 2, 4 nodes x 16, 64, 256 shards
-#   scripts/bench.sh --profile [--nodes N] [--shards S] [--duration S]
-#       the batched fleet at peak: CPU per hit + settle of each process, the
-#       nodes' latency split, and perf profiles of one node and of the load
-#       generator (needs perf; about 2 minutes once built)
+#   scripts/bench.sh --profile [--batching on|off] [--nodes N] [--shards S] [--duration S]
+#       the fleet at peak (batched unless --batching off): CPU per hit + settle
+#       of each process, the nodes' latency split, perf profiles of one node
+#       and of the load generator, and their flame graphs (node-flame.svg,
+#       loadgen-flame.svg; inferno, installed by scripts/ensure-inferno.sh).
+#       Needs perf; about 2 minutes once built
 set -euo pipefail
 
-duration=5 nodes=2 shards=64 runs=1 rounds=3 scale=0 profile=0 memory=0 main=1 memory_what="claims tenants control parked" memory_count=1000000 out=""
+duration=5 nodes=2 shards=64 runs=1 rounds=3 scale=0 profile=0 batching=on memory=0 main=1 memory_what="claims tenants control parked" memory_count=1000000 out=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --duration) duration=$2; shift 2 ;;
@@ -35,13 +37,14 @@ while [ $# -gt 0 ]; do
     --rounds) rounds=$2; shift 2 ;;
     --scale) scale=1; shift ;;
     --profile) profile=1 main=0; shift ;;
+    --batching) batching=$2; shift 2 ;;
     --memory) memory=1; shift ;;
     --no-memory) memory=0; shift ;;
     --memory-only) memory=1 main=0; shift ;;
     --memory-count) memory_count=$2; shift 2 ;;
     --memory-what) memory_what=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "bench.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -188,14 +191,16 @@ fi
 
 if [ "$profile" = 1 ]; then
   command -v perf >/dev/null || { echo "bench.sh --profile needs perf (linux-tools) on PATH" >&2; exit 1; }
+  case "$batching" in on|off) ;; *) echo "bench.sh: --batching is on or off, not $batching" >&2; exit 2 ;; esac
+  inferno=$(scripts/ensure-inferno.sh)
   ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; } # user + system CPU, clock ticks
   start_fleet prof "$nodes" "$shards"
   # A warm-up (tenants spawned, tables grown), then the measured run.
-  cli --instance prof --shards "$shards" bench --duration-s 3 >/dev/null
+  cli --instance prof --shards "$shards" bench --batching "$batching" --duration-s 3 >/dev/null
   nats_before=$(ticks "$nats_pid") nodes_before=0
   for pid in "${node_pids[@]}"; do nodes_before=$((nodes_before + $(ticks "$pid"))); done
   # Not through cli(): $! must be the load generator itself, not a subshell.
-  "$cli_bin" --nats "$nats_url" --instance prof --shards "$shards" bench --batching on \
+  "$cli_bin" --nats "$nats_url" --instance prof --shards "$shards" bench --batching "$batching" \
     --duration-s "$duration" --json "$out/profile-bench.json" >"$out/profile-bench.txt" &
   loadgen=$!
   sleep 1
@@ -213,7 +218,7 @@ if [ "$profile" = 1 ]; then
   cat "$out/profile-bench.txt"
   for addr in "${node_https[@]}"; do curl -fsS --max-time 2 "http://$addr/metrics"; done >"$out/profile-metrics.txt"
   python3 - "$out/profile-bench.json" "$out/profile-metrics.txt" "$(getconf CLK_TCK)" \
-    "$((nodes_after - nodes_before))" "$((nats_after - nats_before))" \
+    "$((nodes_after - nodes_before))" "$((nats_after - nats_before))" "$batching" \
     <<'EOF' | tee "$out/profile-cpu.txt"
 import json, sys
 report = json.load(open(sys.argv[1]))
@@ -229,12 +234,14 @@ for line in open(sys.argv[2]):
 def mean_ms(name, labels=""):
     count = metrics.get(f"{name}_count{labels}", 0.0)
     return 1000 * metrics.get(f"{name}_sum{labels}", 0.0) / count if count else float("nan")
-batch = mean_ms("ankusa_request_duration_seconds", '{op="node_batch"}')
+# Batched, the edge sends node batches; unbatched, lone hits.
+what, op = ("a batch", "node_batch") if sys.argv[6] == "on" else ("a hit", "hit")
+answered = mean_ms("ankusa_request_duration_seconds", f'{{op="{op}"}}')
 ack = mean_ms("ankusa_kv_write_seconds")
 changes = metrics.get("ankusa_claim_log_batch_sum", 0) / max(metrics.get("ankusa_claim_log_batch_count", 0), 1)
 print(f"CPU per hit + settle: nodes {1e6 * nodes / pairs:.1f} µs, nats-server {1e6 * nats / pairs:.1f} µs, "
       f"load generator {1e6 * loadgen / pairs:.1f} µs")
-print(f"nodes, over their life: a batch {batch:.2f} ms from receipt to answer; a claim-log message "
+print(f"nodes, over their life: {what} {answered:.2f} ms from receipt to answer; a claim-log message "
       f"{ack:.2f} ms from publish to ack, {changes:.1f} changes each")
 EOF
   top() { # perf data, what
@@ -248,6 +255,14 @@ EOF
   }
   top "$out/node.perf" "one node" | tee "$out/profile-node.txt"
   top "$out/loadgen.perf" "load generator" | tee "$out/profile-loadgen.txt"
+  flame() { # perf data, svg, title
+    perf script -i "$1" 2>/dev/null | "$inferno/inferno-collapse-perf" \
+      | "$inferno/inferno-flamegraph" --minwidth 0.5 --title "$3" >"$2"
+  }
+  title="$nodes nodes x $shards shards, batching $batching, at peak"
+  flame "$out/node.perf" "$out/node-flame.svg" "ankusa-node: $title"
+  flame "$out/loadgen.perf" "$out/loadgen-flame.svg" "load generator: $title"
+  echo; echo "flame graphs: $out/node-flame.svg, $out/loadgen-flame.svg"
   stop_fleet
 fi
 
