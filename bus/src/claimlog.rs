@@ -48,7 +48,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use crate::kv::KvError;
-use crate::protocol::{encode_compact, MESSAGE_ROOM};
+use crate::protocol::encode_compact;
 
 /// Shards whose changes share a group log: `log = shard / SHARDS_PER_LOG`.
 /// Part of the stored format (format 1): every node of an instance must agree
@@ -98,6 +98,15 @@ struct LoggedChangeRef<'a> {
     buckets: &'a [BucketRecord],
 }
 
+/// Bytes a change takes besides its strings, at most: the headers of its
+/// arrays, strings and variant, the shard, the flags and the expiry, each
+/// number at its widest. A change's buffer is sized from its own strings, so
+/// that it is written without regrowing and a log's queue (many changes in a
+/// stall of the log) holds no more than the changes' bytes.
+const CHANGE_FRAMING_BYTES: usize = 64;
+/// Bytes one bucket record takes, at most: its kind and its TAT.
+const BUCKET_RECORD_BYTES: usize = 16;
+
 /// One change, encoded, and until when the log must keep it (unix µs).
 #[derive(Debug, Clone)]
 pub struct EncodedChange {
@@ -113,6 +122,21 @@ impl EncodedChange {
             // The release must outlive the pending claim it cancels.
             ClaimChange::Delete { expires_us, .. } => *expires_us,
         };
+        let strings = match change {
+            ClaimChange::Put(record) => [
+                record.source_id(),
+                record.key(),
+                record.hook_id(),
+                record.node().unwrap_or_default(),
+            ],
+            ClaimChange::Delete {
+                source_id,
+                key,
+                hook_id,
+                ..
+            } => [source_id.as_str(), key, hook_id, ""],
+        };
+        let room = tenant.len() + strings.iter().map(|s| s.len()).sum::<usize>();
         Self::encode(
             &LoggedChangeRef {
                 tenant,
@@ -120,6 +144,7 @@ impl EncodedChange {
                 change: Some(change),
                 buckets: &[],
             },
+            room,
             keep_until_us,
         )
     }
@@ -142,13 +167,15 @@ impl EncodedChange {
                 change: None,
                 buckets,
             },
+            tenant.len() + buckets.len() * BUCKET_RECORD_BYTES,
             keep_until_us,
         )
     }
 
-    fn encode(entry: &LoggedChangeRef<'_>, keep_until_us: u64) -> Self {
+    /// `entry`, whose strings and bucket records take `content` bytes.
+    fn encode(entry: &LoggedChangeRef<'_>, content: usize, keep_until_us: u64) -> Self {
         Self {
-            bytes: encode_compact(entry, MESSAGE_ROOM),
+            bytes: encode_compact(entry, CHANGE_FRAMING_BYTES + content),
             keep_until_us,
         }
     }
@@ -438,6 +465,58 @@ mod tests {
                 record("b", "h3", false, NOW + 5)
             ]
         );
+    }
+
+    #[test]
+    fn a_change_is_written_into_its_buffer_without_regrowing() {
+        use ankusa_actors::types::limits::{
+            MAX_HOOK_ID, MAX_KEY, MAX_NODE, MAX_SOURCE_ID, MAX_TENANT,
+        };
+        let (tenant, source, key, hook, node) = (
+            "t".repeat(MAX_TENANT),
+            "s".repeat(MAX_SOURCE_ID),
+            "k".repeat(MAX_KEY),
+            "h".repeat(MAX_HOOK_ID),
+            "n".repeat(MAX_NODE),
+        );
+        let widest = ClaimRecord::new(&source, &key, &hook, Some(&node), false, u64::MAX);
+        let delete = ClaimChange::Delete {
+            source_id: source.clone(),
+            key: key.clone(),
+            hook_id: hook.clone(),
+            expires_us: u64::MAX,
+        };
+        let text = source.len() + key.len() + hook.len();
+        // Each change with the bytes of its strings and bucket records.
+        let changes = [
+            (
+                EncodedChange::claim(u32::MAX, &tenant, &ClaimChange::Put(widest)),
+                tenant.len() + text + node.len(),
+            ),
+            (
+                EncodedChange::claim(u32::MAX, "t", &put("a", "h1", true, NOW)),
+                "t".len() + "src".len() + "a".len() + "h1".len(),
+            ),
+            (
+                EncodedChange::claim(u32::MAX, &tenant, &delete),
+                tenant.len() + text,
+            ),
+            (
+                EncodedChange::buckets(u32::MAX, &tenant, &[tats(Kind::Bytes, u64::MAX); 2], NOW),
+                tenant.len() + 2 * BUCKET_RECORD_BYTES,
+            ),
+            (EncodedChange::buckets(0, "", &[], NOW), 0),
+        ];
+        for (change, content) in changes {
+            let room = CHANGE_FRAMING_BYTES + content;
+            assert!(
+                change.bytes.len() <= room,
+                "{} > {room}",
+                change.bytes.len()
+            );
+            // A buffer that had to grow would hold more than it was given.
+            assert_eq!(change.bytes.capacity(), room);
+        }
     }
 
     #[test]
