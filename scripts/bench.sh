@@ -192,7 +192,9 @@ fi
 if [ "$profile" = 1 ]; then
   command -v perf >/dev/null || { echo "bench.sh --profile needs perf (linux-tools) on PATH" >&2; exit 1; }
   case "$batching" in on|off) ;; *) echo "bench.sh: --batching is on or off, not $batching" >&2; exit 2 ;; esac
-  inferno=$(scripts/ensure-inferno.sh)
+  # Flame graphs are a bonus: without inferno (and no way to install it) the
+  # profiles are still printed.
+  inferno=$(scripts/ensure-inferno.sh) || { inferno=""; echo "bench.sh: no inferno, so no flame graphs" >&2; }
   ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; } # user + system CPU, clock ticks
   start_fleet prof "$nodes" "$shards"
   # A warm-up (tenants spawned, tables grown), then the measured run.
@@ -259,10 +261,12 @@ EOF
     perf script -i "$1" 2>/dev/null | "$inferno/inferno-collapse-perf" \
       | "$inferno/inferno-flamegraph" --minwidth 0.5 --title "$3" >"$2"
   }
-  title="$nodes nodes x $shards shards, batching $batching, at peak"
-  flame "$out/node.perf" "$out/node-flame.svg" "ankusa-node: $title"
-  flame "$out/loadgen.perf" "$out/loadgen-flame.svg" "load generator: $title"
-  echo; echo "flame graphs: $out/node-flame.svg, $out/loadgen-flame.svg"
+  if [ -n "$inferno" ]; then
+    title="$nodes nodes x $shards shards, batching $batching, at peak"
+    flame "$out/node.perf" "$out/node-flame.svg" "ankusa-node: $title"
+    flame "$out/loadgen.perf" "$out/loadgen-flame.svg" "load generator: $title"
+    echo; echo "flame graphs: $out/node-flame.svg, $out/loadgen-flame.svg"
+  fi
   stop_fleet
 fi
 
