@@ -6,6 +6,9 @@
 //!   the request (`timeout_ms`) so a node drops work the edge has given up on.
 //! - "No responders" means no node serves the shard right now (a handoff): the
 //!   client retries with a short, growing pause while the budget allows.
+//! - Replies come to one inbox of the client's own (`replies`), where a call's
+//!   slot leaves with the call, so one whose reply never comes (its node died
+//!   or went silent) leaves nothing behind: [`FleetStore::awaiting_replies`].
 //! - Micro-batching: while a request is in flight to the node serving a shard,
 //!   further hits and settles for any shard of that node queue up and leave
 //!   together in one `batch` message to the node's subject when a request comes
@@ -23,7 +26,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ankusa_actors::{HitOutcome, HitRequest, SettleOutcome, SettleRequest};
-use async_nats::client::RequestErrorKind;
 use async_nats::connection::State;
 use async_nats::Subject;
 use bytes::Bytes;
@@ -33,6 +35,7 @@ use tokio::time::Instant;
 use crate::connect::{ConnectError, NatsOptions};
 use crate::lock;
 use crate::protocol::{ErrorCode, Op, Reply, ReplyBody, Request, MAX_BATCH, MAX_REQUEST_BYTES};
+use crate::replies::Replies;
 use crate::shard::{shard_of, InstanceError, Subjects, MAX_SHARDS};
 use crate::store::{Store, StoreError};
 
@@ -185,6 +188,8 @@ struct Route {
 
 struct Inner {
     client: async_nats::Client,
+    /// The reply inbox, subscribed at the first request.
+    replies: tokio::sync::OnceCell<Replies>,
     subjects: Subjects,
     shard_subjects: Vec<Subject>,
     shards: u32,
@@ -250,6 +255,7 @@ impl FleetStore {
         Self {
             inner: Arc::new(Inner {
                 client,
+                replies: tokio::sync::OnceCell::new(),
                 subjects: subjects.clone(),
                 shard_subjects: (0..shards).map(|n| subjects.shard(n).into()).collect(),
                 shards,
@@ -268,6 +274,12 @@ impl FleetStore {
     /// The NATS connection (for status and tests).
     pub fn nats(&self) -> &async_nats::Client {
         &self.inner.client
+    }
+
+    /// Requests on the wire whose reply has not come: each leaves when its
+    /// call ends, answered or not, so this stays at the calls in flight.
+    pub fn awaiting_replies(&self) -> usize {
+        self.inner.replies.get().map_or(0, Replies::waiting)
     }
 
     pub fn shard_of(&self, tenant: &str) -> u32 {
@@ -385,27 +397,15 @@ impl Inner {
             return Err(StoreError::Disconnected);
         }
         let budget = deadline.saturating_duration_since(Instant::now());
-        let sent = self
-            .client
-            .send_request(
-                subject.clone(),
-                async_nats::Request::new()
-                    .payload(payload)
-                    .timeout(Some(budget)),
-            )
-            .await;
-        match sent {
-            Ok(message) => {
-                Reply::decode(&message.payload).map_err(|e| StoreError::BadReply(e.to_string()))
-            }
-            Err(err) if err.kind() == RequestErrorKind::NoResponders => {
-                Err(StoreError::NoResponders)
-            }
-            Err(err) if err.kind() == RequestErrorKind::TimedOut => {
-                Err(StoreError::Timeout(budget))
-            }
-            Err(err) => Err(StoreError::Transport(err.to_string())),
-        }
+        let replies = self
+            .replies
+            .get_or_try_init(|| Replies::start(&self.client))
+            .await?;
+        let waiting = replies.send(&self.client, subject.clone(), payload).await?;
+        let message = tokio::time::timeout_at(deadline, waiting.reply())
+            .await
+            .map_err(|_| StoreError::Timeout(budget))??;
+        Reply::decode(&message.payload).map_err(|e| StoreError::BadReply(e.to_string()))
     }
 
     /// Remembers which node answered for `shard`.

@@ -19,6 +19,7 @@ pub mod kv;
 pub mod local;
 pub mod persist;
 pub mod protocol;
+mod replies;
 pub mod responder;
 pub mod shard;
 pub mod store;

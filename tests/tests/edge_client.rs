@@ -366,3 +366,89 @@ async fn batches_of_the_largest_calls_are_split_to_fit_a_message() {
         );
     }
 }
+
+/// Subscribes to every shard subject of the `test` instance and answers each
+/// request `ok` after `delay`, or never (`None`), until dropped.
+async fn shard_stand_in(url: &str, delay: Option<Duration>) -> tokio::task::JoinHandle<()> {
+    let client = async_nats::connect(url).await.expect("connects");
+    let subjects = Subjects::new("test").expect("valid instance");
+    let mut all = Vec::new();
+    for shard in 0..16 {
+        all.push(
+            client
+                .subscribe(subjects.shard(shard))
+                .await
+                .expect("subscribes"),
+        );
+    }
+    client.flush().await.expect("flushes");
+    let mut requests = futures::stream::select_all(all);
+    tokio::spawn(async move {
+        while let Some(request) = futures::StreamExt::next(&mut requests).await {
+            let (Some(delay), Some(reply_to)) = (delay, request.reply) else {
+                continue;
+            };
+            let client = client.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                let ok = Reply::new(ReplyBody::Hit(HitOutcome::Ok)).encode();
+                let _ = client.publish(reply_to, ok.into()).await;
+            });
+        }
+    })
+}
+
+/// A call whose reply never comes (a node that died with it, or woke from a
+/// pause to a lapsed lease and stays silent) and one whose reply comes after
+/// its deadline leave nothing behind in the edge: the client's count of
+/// calls awaiting a reply is back at zero, batched or not, and the late
+/// replies are dropped without disturbing the calls after them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_without_a_reply_leave_nothing_behind() {
+    let nats = NatsServer::start().await.expect("nats-server starts");
+    let short = Duration::from_millis(30);
+    let silent = shard_stand_in(&nats.url(), None).await;
+    for batching in [false, true] {
+        let store = connected_edge(config(&nats.url(), batching)).await;
+        let calls = (0..40).map(|i| {
+            let store = store.clone();
+            async move { store.hit(hit("acme", &format!("k{i}"), "h"), short).await }
+        });
+        for result in futures::future::join_all(calls).await {
+            assert!(
+                matches!(result, Err(StoreError::Timeout(_))),
+                "batching {batching}: {result:?}"
+            );
+        }
+        // A batch's own request ends at the latest deadline of its calls,
+        // a moment after its callers heard `Timeout`.
+        let released = wait_until(Duration::from_secs(2), || async {
+            store.awaiting_replies() == 0
+        })
+        .await;
+        assert!(
+            released.is_ok(),
+            "batching {batching}: {} still awaiting",
+            store.awaiting_replies()
+        );
+    }
+    silent.abort();
+
+    let _late = shard_stand_in(&nats.url(), Some(Duration::from_millis(100))).await;
+    let store = connected_edge(config(&nats.url(), false)).await;
+    for i in 0..20 {
+        let result = store
+            .hit(hit("acme", &format!("late{i}"), "h"), short)
+            .await;
+        assert!(matches!(result, Err(StoreError::Timeout(_))), "{result:?}");
+    }
+    assert_eq!(store.awaiting_replies(), 0);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        store
+            .hit(hit("acme", "after", "h"), Duration::from_secs(2))
+            .await,
+        Ok(HitOutcome::Ok)
+    );
+    assert_eq!(store.awaiting_replies(), 0);
+}
