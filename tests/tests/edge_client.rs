@@ -368,7 +368,8 @@ async fn batches_of_the_largest_calls_are_split_to_fit_a_message() {
 }
 
 /// Subscribes to every shard subject of the `test` instance and answers each
-/// request `ok` after `delay`, or never (`None`), until dropped.
+/// request `ok` after `delay`, or never (`None`), until the returned task is
+/// aborted.
 async fn shard_stand_in(url: &str, delay: Option<Duration>) -> tokio::task::JoinHandle<()> {
     let client = async_nats::connect(url).await.expect("connects");
     let subjects = Subjects::new("test").expect("valid instance");
