@@ -6,7 +6,7 @@
 //!   the request (`timeout_ms`) so a node drops work the edge has given up on.
 //! - "No responders" means no node serves the shard right now (a handoff): the
 //!   client retries with a short, growing pause while the budget allows.
-//! - Replies come to one inbox of the client's own (`replies`), where a call's
+//! - Replies come to one inbox of the client's own (`replies::Inbox`), where a call's
 //!   slot leaves with the call, so one whose reply never comes (its node died
 //!   or went silent) leaves nothing behind: [`FleetStore::awaiting_replies`].
 //! - Micro-batching: while a request is in flight to the node serving a shard,
@@ -35,7 +35,7 @@ use tokio::time::Instant;
 use crate::connect::{ConnectError, NatsOptions};
 use crate::lock;
 use crate::protocol::{ErrorCode, Op, Reply, ReplyBody, Request, MAX_BATCH, MAX_REQUEST_BYTES};
-use crate::replies::Replies;
+use crate::replies::Inbox;
 use crate::shard::{shard_of, InstanceError, Subjects, MAX_SHARDS};
 use crate::store::{Store, StoreError};
 
@@ -188,8 +188,8 @@ struct Route {
 
 struct Inner {
     client: async_nats::Client,
-    /// The reply inbox, subscribed at the first request.
-    replies: tokio::sync::OnceCell<Replies>,
+    /// Where replies come.
+    inbox: Inbox,
     subjects: Subjects,
     shard_subjects: Vec<Subject>,
     shards: u32,
@@ -254,8 +254,8 @@ impl FleetStore {
         let shards = config.shards.clamp(1, MAX_SHARDS);
         Self {
             inner: Arc::new(Inner {
+                inbox: Inbox::new(client.clone()),
                 client,
-                replies: tokio::sync::OnceCell::new(),
                 subjects: subjects.clone(),
                 shard_subjects: (0..shards).map(|n| subjects.shard(n).into()).collect(),
                 shards,
@@ -279,7 +279,7 @@ impl FleetStore {
     /// Requests on the wire whose reply has not come: each leaves when its
     /// call ends, answered or not, so this stays at the calls in flight.
     pub fn awaiting_replies(&self) -> usize {
-        self.inner.replies.get().map_or(0, Replies::waiting)
+        self.inner.inbox.waiting()
     }
 
     pub fn shard_of(&self, tenant: &str) -> u32 {
@@ -397,11 +397,7 @@ impl Inner {
             return Err(StoreError::Disconnected);
         }
         let budget = deadline.saturating_duration_since(Instant::now());
-        let replies = self
-            .replies
-            .get_or_try_init(|| Replies::start(&self.client))
-            .await?;
-        let waiting = replies.send(&self.client, subject.clone(), payload).await?;
+        let waiting = self.inbox.request(subject.clone(), None, payload).await?;
         let message = tokio::time::timeout_at(deadline, waiting.reply())
             .await
             .map_err(|_| StoreError::Timeout(budget))??;

@@ -41,6 +41,8 @@ use crate::claimlog::{self, EncodedChange, Replay};
 use crate::lock;
 use crate::persist::PersistError;
 use crate::protocol::{encode_named, MESSAGE_ROOM};
+use crate::replies::Inbox;
+use crate::store::StoreError;
 
 /// Why a KV operation failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -827,7 +829,7 @@ impl KvWriter {
             node_log: node_log.clone(),
         });
         let logs = ClaimLogs::new(kv.state_bucket.clone());
-        tokio::spawn(commit_loop(kv.js.clone(), logs, node_log, rx));
+        tokio::spawn(commit_loop(kv.js.client(), logs, node_log, rx));
         let flusher = Arc::downgrade(&writer);
         tokio::spawn(async move {
             let mut ticks = tokio::time::interval(write_behind);
@@ -1074,11 +1076,14 @@ const LANDING_YIELDS: usize = 4;
 /// messages in flight, its next changes queue up and leave together when one
 /// is acknowledged.
 async fn commit_loop(
-    js: jetstream::Context,
+    client: async_nats::Client,
     mut logs: ClaimLogs,
     node_log: Arc<AtomicBool>,
     mut rx: mpsc::Receiver<Submitted>,
 ) {
+    // A log message's ack is its publish's reply: awaited in an inbox of our
+    // own, so that an ack that never comes leaves nothing behind.
+    let inbox = Inbox::new(client);
     let mut acks = FuturesUnordered::new();
     let mut open = true;
     while open || !acks.is_empty() {
@@ -1127,13 +1132,13 @@ async fn commit_loop(
                     }
                 }
                 for id in ready {
-                    send_next(&js, &mut logs, id, &mut acks).await;
+                    send_next(&inbox, &mut logs, id, &mut acks).await;
                 }
                 metrics::gauge!("ankusa_kv_writes_in_flight").set(acks.len() as f64);
             }
             Some(id) = acks.next(), if !acks.is_empty() => {
                 logs.acknowledged(id);
-                send_next(&js, &mut logs, id, &mut acks).await;
+                send_next(&inbox, &mut logs, id, &mut acks).await;
                 metrics::gauge!("ankusa_kv_writes_in_flight").set(acks.len() as f64);
             }
         }
@@ -1143,13 +1148,13 @@ async fn commit_loop(
 /// Publishes log `id`'s next message, if it has one to send now, and adds
 /// its ack to those awaited.
 async fn send_next(
-    js: &jetstream::Context,
+    inbox: &Inbox,
     logs: &mut ClaimLogs,
     id: LogId,
     acks: &mut FuturesUnordered<BoxFuture<'static, LogId>>,
 ) {
     if let Some((write, waiters)) = logs.next_message(id) {
-        let acked = publish(js, write, waiters, id).await;
+        let acked = publish(inbox, write, waiters, id).await;
         acks.push(acked);
     }
 }
@@ -1165,24 +1170,26 @@ const ACK_WAIT: Duration = Duration::from_secs(1);
 /// Publishes one write; the future it returns completes the waiters once the
 /// ack is in, and yields the log whose message it was.
 async fn publish(
-    js: &jetstream::Context,
+    inbox: &Inbox,
     write: Write,
     waiters: Vec<Done>,
     log: LogId,
 ) -> BoxFuture<'static, LogId> {
-    let published = js
-        .publish_with_headers(write.subject, write.headers, write.payload)
+    let published = inbox
+        .request(write.subject.into(), Some(write.headers), write.payload)
         .await;
     let sent = std::time::Instant::now();
     async move {
         let result = match published {
-            Ok(ack) => match tokio::time::timeout(ACK_WAIT, ack).await {
-                Ok(acked) => acked
-                    .map(|_| ())
-                    .map_err(|e| PersistError::Write(e.to_string())),
+            Ok(waiting) => match tokio::time::timeout(ACK_WAIT, waiting.reply()).await {
+                Ok(Ok(ack)) => read_ack(&ack.payload),
+                Ok(Err(StoreError::NoResponders)) => Err(PersistError::Write(
+                    "no stream takes the log's subject (no responders)".into(),
+                )),
+                Ok(Err(err)) => Err(PersistError::Write(err.to_string())),
                 Err(_) => Err(PersistError::Write(format!("no ack within {ACK_WAIT:?}"))),
             },
-            Err(e) => Err(PersistError::Write(e.to_string())),
+            Err(err) => Err(PersistError::Write(err.to_string())),
         };
         metrics::histogram!("ankusa_kv_write_seconds").record(sent.elapsed().as_secs_f64());
         if result.is_err() {
@@ -1196,9 +1203,62 @@ async fn publish(
     .boxed()
 }
 
+/// What JetStream answers a publish: the stored message's sequence, or why
+/// it was not stored.
+#[derive(Deserialize)]
+struct PublishAnswer {
+    #[serde(default)]
+    seq: Option<u64>,
+    #[serde(default)]
+    error: Option<ApiError>,
+}
+
+#[derive(Deserialize)]
+struct ApiError {
+    #[serde(default)]
+    code: u16,
+    #[serde(default)]
+    err_code: u64,
+    #[serde(default)]
+    description: String,
+}
+
+/// Reads a publish's ack: stored, or the server's reason it was not.
+fn read_ack(payload: &[u8]) -> Result<(), PersistError> {
+    match serde_json::from_slice::<PublishAnswer>(payload) {
+        Ok(PublishAnswer {
+            error: Some(err), ..
+        }) => Err(PersistError::Write(format!(
+            "{} (code {}, error code {})",
+            err.description, err.code, err.err_code
+        ))),
+        Ok(PublishAnswer { seq: Some(_), .. }) => Ok(()),
+        Ok(PublishAnswer { seq: None, .. }) | Err(_) => Err(PersistError::Write(format!(
+            "not a publish ack: {}",
+            String::from_utf8_lossy(&payload[..payload.len().min(200)])
+        ))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_publish_ack_is_read_as_stored_or_refused() {
+        assert!(read_ack(br#"{"stream":"KV_x","seq":42}"#).is_ok());
+        assert!(read_ack(br#"{"stream":"KV_x","seq":7,"duplicate":true}"#).is_ok());
+        let refused = read_ack(
+            br#"{"error":{"code":400,"err_code":10071,"description":"wrong last sequence: 3"}}"#,
+        );
+        assert_eq!(
+            refused.map_err(|e| e.to_string()),
+            Err("KV write failed: wrong last sequence: 3 (code 400, error code 10071)".into())
+        );
+        for not_an_ack in [&b"{}"[..], b"", b"nonsense", br#"{"stream":"KV_x"}"#] {
+            assert!(read_ack(not_an_ack).is_err(), "{not_an_ack:?}");
+        }
+    }
 
     fn beat(node: &str, claim_log_format: u32) -> Heartbeat {
         Heartbeat {

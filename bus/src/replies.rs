@@ -1,5 +1,7 @@
-//! The edge client's request-reply: one reply inbox per connection, and a call's
-//! place in it released when the call ends, answered or not.
+//! Request-reply with a reply inbox of our own: one per connection, and a
+//! request's place in it released when the request ends, answered or not. The
+//! edge client's calls and the node's claim-log writes (whose JetStream ack is
+//! the reply) both go through an [`Inbox`].
 //!
 //! Why not `async_nats::Client::request`: it keeps each request's reply slot
 //! until a reply comes, and drops it only then (nats-io/nats.rs#1617). A reply
@@ -9,7 +11,8 @@
 //! unanswered requests grew a client by 69 MB), thousands a second while a
 //! paused node holds its shards. Here a [`Waiting`] call takes its slot back
 //! when it is dropped, whatever ended it (800,000 unanswered calls left an
-//! edge at 15 MB).
+//! edge at 15 MB). A node's JetStream publishes had the same slot for each
+//! ack that was lost (a server restart, a stream without quorum).
 //!
 //! The inbox is one wildcard subscription, `<inbox prefix>.<id>.*`, read by a
 //! task of its own that hands each reply to the call waiting for its token and
@@ -19,17 +22,54 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use async_nats::{Client, Message, StatusCode, Subject};
+use async_nats::{Client, HeaderMap, Message, StatusCode, Subject};
 use bytes::Bytes;
 use futures::StreamExt;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, OnceCell};
 use tokio::task::JoinHandle;
 
 use crate::lock;
 use crate::store::StoreError;
 
-/// A connection's reply inbox and the calls waiting on it.
-pub(crate) struct Replies {
+/// A connection's reply inbox, subscribed at its first request (and again at
+/// the next one if that failed).
+pub(crate) struct Inbox {
+    client: Client,
+    replies: OnceCell<Replies>,
+}
+
+impl Inbox {
+    pub(crate) fn new(client: Client) -> Self {
+        Self {
+            client,
+            replies: OnceCell::new(),
+        }
+    }
+
+    /// Publishes `payload` (with `headers`, if any) to `subject`, with a reply
+    /// subject of this inbox. The reply is the returned request's to await;
+    /// dropping it releases its slot.
+    pub(crate) async fn request(
+        &self,
+        subject: Subject,
+        headers: Option<HeaderMap>,
+        payload: Bytes,
+    ) -> Result<Waiting, StoreError> {
+        let replies = self
+            .replies
+            .get_or_try_init(|| Replies::start(&self.client))
+            .await?;
+        replies.send(&self.client, subject, headers, payload).await
+    }
+
+    /// Requests waiting for a reply now.
+    pub(crate) fn waiting(&self) -> usize {
+        self.replies.get().map_or(0, Replies::waiting)
+    }
+}
+
+/// The subscribed inbox and the requests waiting on it.
+struct Replies {
     shared: Arc<Shared>,
     reader: JoinHandle<()>,
 }
@@ -43,7 +83,7 @@ struct Shared {
 
 impl Replies {
     /// Subscribes to a new inbox on `client` and starts reading it.
-    pub(crate) async fn start(client: &Client) -> Result<Self, StoreError> {
+    async fn start(client: &Client) -> Result<Self, StoreError> {
         let prefix = format!("{}.", client.new_inbox());
         let mut inbox = client
             .subscribe(format!("{prefix}*"))
@@ -67,13 +107,11 @@ impl Replies {
         Ok(Self { shared, reader })
     }
 
-    /// Publishes `payload` to `subject` with a reply subject of this inbox.
-    /// The reply is the returned call's to await; dropping the call releases
-    /// its slot.
-    pub(crate) async fn send(
+    async fn send(
         &self,
         client: &Client,
         subject: Subject,
+        headers: Option<HeaderMap>,
         payload: Bytes,
     ) -> Result<Waiting, StoreError> {
         let token = self.shared.next_token.fetch_add(1, Ordering::Relaxed);
@@ -86,15 +124,19 @@ impl Replies {
             reply,
         };
         let reply_to = format!("{}{token}", self.shared.prefix);
-        client
-            .publish_with_reply(subject, reply_to, payload)
-            .await
-            .map_err(|err| StoreError::Transport(err.to_string()))?;
+        let published = match headers {
+            Some(headers) => {
+                client
+                    .publish_with_reply_and_headers(subject, reply_to, headers, payload)
+                    .await
+            }
+            None => client.publish_with_reply(subject, reply_to, payload).await,
+        };
+        published.map_err(|err| StoreError::Transport(err.to_string()))?;
         Ok(waiting)
     }
 
-    /// Calls waiting for a reply now.
-    pub(crate) fn waiting(&self) -> usize {
+    fn waiting(&self) -> usize {
         lock(&self.shared.waiting).len()
     }
 }
