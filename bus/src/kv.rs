@@ -1159,10 +1159,11 @@ async fn send_next(
     }
 }
 
-/// How long a log message's ack is awaited. A message whose ack was lost (its
-/// connection dropped, its server restarted) would otherwise hold its log for
-/// the JetStream context's 5 s: every later change of the log's shards waits
-/// behind it. Its waiters are answered `unavailable` (their callers have given
+/// How long a log message's ack is awaited: the only bound on it. A message
+/// whose ack was lost (its connection dropped, its server restarted) would
+/// otherwise hold its log for good (with `async_nats`'s publish, which this
+/// loop no longer uses, for its context's 5 s): every later change of the
+/// log's shards waits behind it. Its waiters are answered `unavailable` (their callers have given
 /// up by then) and the log moves on; replay does not depend on the order
 /// of a lost message and the next.
 const ACK_WAIT: Duration = Duration::from_secs(1);
