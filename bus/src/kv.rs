@@ -29,7 +29,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use ankusa_actors::{BucketRecord, Changes, ClaimChange, ClaimRecord, TenantSnapshot};
 use async_nats::header::{self, HeaderMap, HeaderValue};
-use async_nats::jetstream::{self, consumer, context::PublishErrorKind, kv, stream};
+use async_nats::jetstream::{self, consumer, kv, stream};
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use futures::stream::FuturesUnordered;
@@ -41,7 +41,7 @@ use crate::claimlog::{self, EncodedChange, Replay};
 use crate::lock;
 use crate::persist::PersistError;
 use crate::protocol::{encode_named, MESSAGE_ROOM};
-use crate::replies::Inbox;
+use crate::replies::{self, Inbox};
 use crate::store::StoreError;
 
 /// Why a KV operation failed.
@@ -198,6 +198,21 @@ pub async fn within<T, E: From<KvError>>(
     })
 }
 
+/// How long a lease or heartbeat write waits for its ack: what `async_nats`'s
+/// JetStream context allowed, before these writes came to an [`Inbox`].
+/// Callers bound them more tightly (a lease's TTL).
+const KV_WRITE_WAIT: Duration = Duration::from_secs(5);
+
+/// A lease write refused for its revision is a lease lost; anything else is
+/// the write failing.
+fn lost_or(shard: u32, err: WriteError) -> LeaseError {
+    if err.is_wrong_revision() {
+        LeaseError::Lost { shard }
+    } else {
+        request_err(err).into()
+    }
+}
+
 /// One step of a shard load, within [`LOAD_IDLE`].
 async fn load_step<T, E: std::fmt::Display>(
     step: impl std::future::Future<Output = Result<T, E>>,
@@ -250,6 +265,11 @@ impl Write {
 #[derive(Clone)]
 pub struct FleetKv {
     js: jetstream::Context,
+    /// Lease and heartbeat writes await their acks here, not in `async_nats`'s
+    /// request, which keeps a slot for every ack that never comes: a node
+    /// renews each lease it holds every second, and would grow by one slot a
+    /// lease a second for as long as JetStream could not answer.
+    writes: Arc<Inbox>,
     state_bucket: String,
     leases_bucket: String,
     nodes_bucket: String,
@@ -280,6 +300,7 @@ impl FleetKv {
         instance: &str,
         create: Option<usize>,
     ) -> Result<Self, KvError> {
+        let writes = Arc::new(Inbox::new(client.clone()));
         let js = jetstream::new(client);
         let state_bucket = format!("ankusa_{instance}_state");
         let leases_bucket = format!("ankusa_{instance}_leases");
@@ -308,6 +329,7 @@ impl FleetKv {
         let nodes = open_bucket(&js, &nodes, create).await?;
         Ok(Self {
             js,
+            writes,
             state_bucket,
             leases_bucket,
             nodes_bucket,
@@ -331,13 +353,17 @@ impl FleetKv {
         Ok(out)
     }
 
-    async fn publish(&self, write: Write) -> Result<u64, PublishErrorKind> {
-        let ack = self
-            .js
-            .publish_with_headers(write.subject, write.headers, write.payload)
-            .await
-            .map_err(|e| e.kind())?;
-        ack.await.map(|a| a.sequence).map_err(|e| e.kind())
+    async fn publish(&self, write: Write) -> Result<u64, WriteError> {
+        let published = self
+            .writes
+            .request(write.subject.into(), Some(write.headers), write.payload)
+            .await;
+        acked(published, KV_WRITE_WAIT).await
+    }
+
+    /// Lease and heartbeat writes waiting for their acks now.
+    pub fn awaiting_acks(&self) -> usize {
+        self.writes.waiting()
     }
 
     /// Takes the lease on `shard` for `node` if nobody holds it. Returns its revision.
@@ -357,8 +383,8 @@ impl FleetKv {
             Write::put(&self.leases_bucket, &key, value.clone(), ttl_secs).expect_revision(0);
         match self.publish(fresh).await {
             Ok(revision) => return Ok(revision),
-            Err(PublishErrorKind::WrongLastSequence) => {}
-            Err(kind) => return Err(KvError::Request(kind.to_string()).into()),
+            Err(err) if err.is_wrong_revision() => {}
+            Err(err) => return Err(request_err(err).into()),
         }
         // Something is there: a holder, or the marker a release or expiry left.
         let entry = self.leases.entry(&key).await.map_err(request_err)?;
@@ -372,12 +398,12 @@ impl FleetKv {
             Some(marker) => {
                 let over = Write::put(&self.leases_bucket, &key, value, ttl_secs)
                     .expect_revision(marker.revision);
-                self.publish(over).await.map_err(|kind| match kind {
-                    PublishErrorKind::WrongLastSequence => LeaseError::Taken {
+                self.publish(over).await.map_err(|err| match err {
+                    err if err.is_wrong_revision() => LeaseError::Taken {
                         shard,
                         holder: "another node (raced)".into(),
                     },
-                    kind => KvError::Request(kind.to_string()).into(),
+                    err => request_err(err).into(),
                 })
             }
             None => Err(LeaseError::Taken {
@@ -406,10 +432,7 @@ impl FleetKv {
             ttl.as_secs().max(1),
         )
         .expect_revision(revision);
-        self.publish(write).await.map_err(|kind| match kind {
-            PublishErrorKind::WrongLastSequence => LeaseError::Lost { shard },
-            kind => KvError::Request(kind.to_string()).into(),
-        })
+        self.publish(write).await.map_err(|err| lost_or(shard, err))
     }
 
     /// Gives a lease up, if it is still ours.
@@ -418,10 +441,7 @@ impl FleetKv {
         self.publish(write)
             .await
             .map(|_| ())
-            .map_err(|kind| match kind {
-                PublishErrorKind::WrongLastSequence => LeaseError::Lost { shard },
-                kind => KvError::Request(kind.to_string()).into(),
-            })
+            .map_err(|err| lost_or(shard, err))
     }
 
     /// Who holds each leased shard.
@@ -1181,17 +1201,10 @@ async fn publish(
         .await;
     let sent = std::time::Instant::now();
     async move {
-        let result = match published {
-            Ok(waiting) => match tokio::time::timeout(ACK_WAIT, waiting.reply()).await {
-                Ok(Ok(ack)) => read_ack(&ack.payload),
-                Ok(Err(StoreError::NoResponders)) => Err(PersistError::Write(
-                    "no stream takes the log's subject (no responders)".into(),
-                )),
-                Ok(Err(err)) => Err(PersistError::Write(err.to_string())),
-                Err(_) => Err(PersistError::Write(format!("no ack within {ACK_WAIT:?}"))),
-            },
-            Err(err) => Err(PersistError::Write(err.to_string())),
-        };
+        let result = acked(published, ACK_WAIT)
+            .await
+            .map(|_| ())
+            .map_err(|err| PersistError::Write(err.to_string()));
         metrics::histogram!("ankusa_kv_write_seconds").record(sent.elapsed().as_secs_f64());
         if result.is_err() {
             metrics::counter!("ankusa_kv_write_failures_total").increment(1);
@@ -1202,6 +1215,48 @@ async fn publish(
         log
     }
     .boxed()
+}
+
+/// Why a write to a KV key was not stored, or is not known to be.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum WriteError {
+    #[error("{description} (code {code}, error code {err_code})")]
+    Refused {
+        code: u16,
+        err_code: u64,
+        description: String,
+    },
+    #[error("not a publish ack: {0}")]
+    NotAnAck(String),
+    #[error("no stream takes the subject (no responders)")]
+    NoStream,
+    #[error("no ack within {0:?}")]
+    NoAck(Duration),
+    #[error("{0}")]
+    Transport(String),
+}
+
+impl WriteError {
+    /// JetStream's "wrong last sequence": a compare-and-set on a key's
+    /// revision that lost.
+    fn is_wrong_revision(&self) -> bool {
+        const STREAM_WRONG_LAST_SEQUENCE: u64 = 10071;
+        matches!(self, Self::Refused { err_code, .. } if *err_code == STREAM_WRONG_LAST_SEQUENCE)
+    }
+}
+
+/// Awaits a published write's ack within `bound`: the sequence it was stored at.
+async fn acked(
+    published: Result<replies::Waiting, StoreError>,
+    bound: Duration,
+) -> Result<u64, WriteError> {
+    let waiting = published.map_err(|err| WriteError::Transport(err.to_string()))?;
+    match tokio::time::timeout(bound, waiting.reply()).await {
+        Ok(Ok(ack)) => read_ack(&ack.payload),
+        Ok(Err(StoreError::NoResponders)) => Err(WriteError::NoStream),
+        Ok(Err(err)) => Err(WriteError::Transport(err.to_string())),
+        Err(_) => Err(WriteError::NoAck(bound)),
+    }
 }
 
 /// What JetStream answers a publish: the stored message's sequence, or why
@@ -1224,20 +1279,21 @@ struct ApiError {
     description: String,
 }
 
-/// Reads a publish's ack: stored, or the server's reason it was not.
-fn read_ack(payload: &[u8]) -> Result<(), PersistError> {
+/// Reads a publish's ack: the sequence it was stored at, or the server's
+/// reason it was not stored.
+fn read_ack(payload: &[u8]) -> Result<u64, WriteError> {
     match serde_json::from_slice::<PublishAnswer>(payload) {
         Ok(PublishAnswer {
             error: Some(err), ..
-        }) => Err(PersistError::Write(format!(
-            "{} (code {}, error code {})",
-            err.description, err.code, err.err_code
-        ))),
-        Ok(PublishAnswer { seq: Some(_), .. }) => Ok(()),
-        Ok(PublishAnswer { seq: None, .. }) | Err(_) => Err(PersistError::Write(format!(
-            "not a publish ack: {}",
-            String::from_utf8_lossy(&payload[..payload.len().min(200)])
-        ))),
+        }) => Err(WriteError::Refused {
+            code: err.code,
+            err_code: err.err_code,
+            description: err.description,
+        }),
+        Ok(PublishAnswer { seq: Some(seq), .. }) => Ok(seq),
+        Ok(PublishAnswer { seq: None, .. }) | Err(_) => Err(WriteError::NotAnAck(
+            String::from_utf8_lossy(&payload[..payload.len().min(200)]).into_owned(),
+        )),
     }
 }
 
@@ -1247,17 +1303,31 @@ mod tests {
 
     #[test]
     fn a_publish_ack_is_read_as_stored_or_refused() {
-        assert!(read_ack(br#"{"stream":"KV_x","seq":42}"#).is_ok());
-        assert!(read_ack(br#"{"stream":"KV_x","seq":7,"duplicate":true}"#).is_ok());
+        assert_eq!(read_ack(br#"{"stream":"KV_x","seq":42}"#), Ok(42));
+        assert_eq!(
+            read_ack(br#"{"stream":"KV_x","seq":7,"duplicate":true}"#),
+            Ok(7)
+        );
         let refused = read_ack(
             br#"{"error":{"code":400,"err_code":10071,"description":"wrong last sequence: 3"}}"#,
-        );
+        )
+        .expect_err("refused");
+        assert!(refused.is_wrong_revision());
         assert_eq!(
-            refused.map_err(|e| e.to_string()),
-            Err("KV write failed: wrong last sequence: 3 (code 400, error code 10071)".into())
+            refused.to_string(),
+            "wrong last sequence: 3 (code 400, error code 10071)"
         );
+        let full = read_ack(
+            br#"{"error":{"code":503,"err_code":10077,"description":"maximum messages exceeded"}}"#,
+        )
+        .expect_err("refused");
+        assert!(!full.is_wrong_revision(), "{full}");
         for not_an_ack in [&b"{}"[..], b"", b"nonsense", br#"{"stream":"KV_x"}"#] {
-            assert!(read_ack(not_an_ack).is_err(), "{not_an_ack:?}");
+            let err = read_ack(not_an_ack).expect_err("not an ack");
+            assert!(
+                matches!(err, WriteError::NotAnAck(_)),
+                "{not_an_ack:?}: {err}"
+            );
         }
     }
 

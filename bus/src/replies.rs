@@ -1,7 +1,7 @@
 //! Request-reply with a reply inbox of our own: one per connection, and a
 //! request's place in it released when the request ends, answered or not. The
-//! edge client's calls and the node's claim-log writes (whose JetStream ack is
-//! the reply) both go through an [`Inbox`].
+//! edge client's calls and the node's KV writes (claim log, leases and
+//! heartbeats, whose JetStream ack is the reply) go through an [`Inbox`].
 //!
 //! Why not `async_nats::Client::request`: it keeps each request's reply slot
 //! until a reply comes, and drops it only then (nats-io/nats.rs#1617). A reply
@@ -12,7 +12,8 @@
 //! paused node holds its shards. Here a [`Waiting`] call takes its slot back
 //! when it is dropped, whatever ended it (800,000 unanswered calls left an
 //! edge at 15 MB). A node's JetStream publishes had the same slot for each
-//! ack that was lost (a server restart, a stream without quorum).
+//! ack that was lost (a server restart, a stream without quorum): with a
+//! renewal of every lease each second, 71 MB per 200,000 unacknowledged.
 //!
 //! The inbox is one wildcard subscription, `<inbox prefix>.<id>.*`, read by a
 //! task of its own that hands each reply to the call waiting for its token and

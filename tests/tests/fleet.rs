@@ -4,14 +4,16 @@
 //! Balance (joins move only the shards rendezvous hashing assigns to the new
 //! node, leaves hand theirs over), durability of claims across kill -9 and a
 //! nats-server restart, fencing of a paused (zombie) node, the claim log
-//! format a fleet writes beside a node of an earlier release, and membership
-//! read from one watch of the heartbeats (not a consumer made every round).
+//! format a fleet writes beside a node of an earlier release, membership
+//! read from one watch of the heartbeats (not a consumer made every round),
+//! and the lease operations themselves (by revision; nothing kept for a write
+//! never acknowledged).
 
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 use ankusa_actors::{HitOutcome, SettleOutcome, Settlement};
-use ankusa_bus::kv::{FleetKv, Heartbeat};
+use ankusa_bus::kv::{within, FleetKv, Heartbeat, LeaseError};
 use ankusa_bus::protocol::{ErrorCode, Op, Reply, ReplyBody, Request};
 use ankusa_bus::{shard_of, FleetConfig, FleetStore, NatsOptions, Store, Subjects};
 use ankusa_node::fleet::target_owner;
@@ -88,6 +90,107 @@ fn tenant_on(shard: u32) -> String {
         .map(|i| format!("tenant-{i}"))
         .find(|t| shard_of(t, SHARDS) == shard)
         .expect("some tenant hashes to every shard")
+}
+
+/// The lease operations the fleet relies on, on `FleetKv` alone: a lease is
+/// taken only where none is held, renewed and released only with its
+/// current revision (a stale one is a lease lost), and taken again over the
+/// marker a release leaves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_are_taken_renewed_and_released_by_revision() {
+    let nats = NatsServer::start().await.expect("nats");
+    let kv = kv(&nats).await;
+    let ttl = Duration::from_secs(5);
+    let first = kv
+        .acquire_lease(3, "n1", ttl)
+        .await
+        .expect("a free lease is taken");
+    match kv.acquire_lease(3, "n2", ttl).await {
+        Err(LeaseError::Taken { shard: 3, holder }) => assert_eq!(holder, "n1"),
+        other => panic!("a held lease was taken again: {other:?}"),
+    }
+    let renewed = kv.renew_lease(3, "n1", first, ttl).await.expect("renewed");
+    assert!(renewed > first, "revision {renewed} after {first}");
+    assert_eq!(
+        kv.renew_lease(3, "n1", first, ttl).await,
+        Err(LeaseError::Lost { shard: 3 }),
+        "a renewal with a stale revision"
+    );
+    assert_eq!(
+        kv.release_lease(3, first).await,
+        Err(LeaseError::Lost { shard: 3 }),
+        "a release with a stale revision"
+    );
+    assert_eq!(kv.lease_holders().await.expect("holders")[&3], "n1");
+    kv.release_lease(3, renewed).await.expect("released");
+    assert!(!kv.lease_holders().await.expect("holders").contains_key(&3));
+    kv.acquire_lease(3, "n2", ttl)
+        .await
+        .expect("taken over the release's marker");
+    assert_eq!(kv.lease_holders().await.expect("holders")[&3], "n2");
+    assert_eq!(kv.awaiting_acks(), 0);
+}
+
+/// A lease or heartbeat write whose ack never comes (JetStream without
+/// quorum, a server restarting) leaves nothing behind in the node: each
+/// waits in the node's own inbox and leaves it when its caller gives up.
+/// A node renews every lease it holds each second, so a slot kept per
+/// unanswered write (`async_nats`'s request) grew for as long as JetStream
+/// could not answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_writes_never_acknowledged_leave_nothing_behind() {
+    let nats = NatsServer::start().await.expect("nats");
+    let kv = kv(&nats).await;
+    let js = async_nats::jetstream::new(nats.connect().await.expect("connect"));
+    js.delete_stream("KV_ankusa_test_leases")
+        .await
+        .expect("the leases' stream deleted");
+    // Without a stream, the server says at once that nobody takes the write.
+    let started = Instant::now();
+    let refused = kv.renew_lease(1, "n1", 1, Duration::from_secs(5)).await;
+    assert!(
+        matches!(&refused, Err(LeaseError::Kv(_))),
+        "{refused:?} for a write no stream takes"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    // A silent subscriber in the stream's place: the writes go out, no ack comes.
+    let silent = nats.connect().await.expect("connect");
+    let _stand_in = silent
+        .subscribe("$KV.ankusa_test_leases.>")
+        .await
+        .expect("subscribes");
+    silent.flush().await.expect("flushes");
+    let bound = Duration::from_millis(400);
+    let writes = (0..40u32).map(|shard| {
+        let kv = kv.clone();
+        tokio::spawn(async move {
+            within(
+                bound,
+                kv.renew_lease(shard, "n1", 1, Duration::from_secs(5)),
+            )
+            .await
+        })
+    });
+    let writes: Vec<_> = writes.collect();
+    tokio::time::sleep(bound / 2).await;
+    assert_eq!(
+        kv.awaiting_acks(),
+        40,
+        "the writes wait in the node's inbox"
+    );
+    for write in writes {
+        let result = write.await.expect("the write's task");
+        assert!(matches!(&result, Err(LeaseError::Kv(_))), "{result:?}");
+    }
+    assert_eq!(
+        kv.awaiting_acks(),
+        0,
+        "still awaiting after their callers gave up"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
