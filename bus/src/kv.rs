@@ -1174,7 +1174,7 @@ async fn send_next(
     acks: &mut FuturesUnordered<BoxFuture<'static, LogId>>,
 ) {
     if let Some((write, waiters)) = logs.next_message(id) {
-        let acked = publish(inbox, write, waiters, id).await;
+        let acked = publish_log_message(inbox, write, waiters, id).await;
         acks.push(acked);
     }
 }
@@ -1190,7 +1190,7 @@ const ACK_WAIT: Duration = Duration::from_secs(1);
 
 /// Publishes one write; the future it returns completes the waiters once the
 /// ack is in, and yields the log whose message it was.
-async fn publish(
+async fn publish_log_message(
     inbox: &Inbox,
     write: Write,
     waiters: Vec<Done>,
