@@ -232,17 +232,21 @@ impl Fleet {
 
     /// Takes every shard targeted here that is free: their leases first, then
     /// their state from KV in one read (a log message holding changes of
-    /// several is read once), then serves them. Returns whether some target
-    /// shard is still held elsewhere.
+    /// several is read once), then serves them. Returns whether to try again
+    /// before the next round: some target shard is still held elsewhere, and
+    /// KV takes lease writes.
     async fn acquire(&mut self) -> bool {
         let mut waiting = false;
+        let mut kv_failing = false;
         let ttl = self.config.lease_ttl();
         let renew_every = Duration::from_millis(self.config.lease_renew_ms);
         let mut taken = Vec::new();
-        for shard in self.targets() {
-            if self.held.contains_key(&shard) {
-                continue;
-            }
+        let free: Vec<u32> = self
+            .targets()
+            .into_iter()
+            .filter(|shard| !self.held.contains_key(shard))
+            .collect();
+        for (tried, &shard) in free.iter().enumerate() {
             if self.last_renew.elapsed() >= renew_every {
                 self.renew().await;
             }
@@ -255,9 +259,21 @@ impl Fleet {
                         continue;
                     }
                     Err(err) => {
-                        tracing::warn!(shard, error = %err, "cannot take lease");
-                        waiting = true;
-                        continue;
+                        // JetStream did not take the write, so the other shards'
+                        // would fail alike, at once (a stream without a leader
+                        // answers "no responders") or each after its bound (NATS
+                        // out of reach). Trying them all was a write and a
+                        // warning per shard every 100 ms, and a round that
+                        // outlasted its health bound; the next round tries again.
+                        tracing::warn!(
+                            shard,
+                            untried = free.len() - tried - 1,
+                            error = %err,
+                            "cannot take lease; the next round tries again"
+                        );
+                        metrics::counter!("ankusa_lease_acquire_failures_total").increment(1);
+                        kv_failing = true;
+                        break;
                     }
                 };
             // Held from here, so that renewals keep the lease while it loads;
@@ -268,7 +284,7 @@ impl Fleet {
             taken.push(shard);
         }
         if taken.is_empty() {
-            return waiting;
+            return waiting && !kv_failing;
         }
 
         let loaded_at = Instant::now();
@@ -320,7 +336,7 @@ impl Fleet {
                 "serving shard"
             );
         }
-        waiting
+        waiting && !kv_failing
     }
 
     /// Stops holding `shard` and releases its lease, without a hand-back (it
@@ -497,10 +513,10 @@ pub async fn run(
     let mut waiting = false;
     loop {
         let now = Instant::now();
-        // A round with NATS out of reach waits out each shard's KV bound in turn
-        // (16 shards: over half a minute); a stop waits for it one lease TTL at
-        // most. What a round cut short leaves half done (a lease taken but not
-        // yet served) lapses by TTL.
+        // A round with NATS out of reach waits out a KV bound for its heartbeat,
+        // its renewals and its first lease write; a stop waits for it one lease
+        // TTL at most. What a round cut short leaves half done (a lease taken
+        // but not yet served) lapses by TTL.
         let stopping = {
             let work = async {
                 if now >= next_round {

@@ -84,6 +84,10 @@ pub fn describe_metrics() {
         "Lease renewals that failed on a KV error"
     );
     describe_counter!(
+        "ankusa_lease_acquire_failures_total",
+        "Lease writes to take a free shard that failed on a KV error (one a round at most)"
+    );
+    describe_counter!(
         "ankusa_leases_lost_total",
         "Leases found lost (expired or taken) at renewal"
     );
@@ -100,6 +104,7 @@ pub fn describe_metrics() {
     for counter in [
         "ankusa_kv_write_failures_total",
         "ankusa_lease_renew_failures_total",
+        "ankusa_lease_acquire_failures_total",
         "ankusa_leases_lost_total",
         "ankusa_shard_restarts_total",
     ] {
