@@ -201,12 +201,12 @@ impl Fleet {
                 }
             }
         }
-        for shard in lost {
+        for &shard in &lost {
             metrics::counter!("ankusa_leases_lost_total").increment(1);
             tracing::warn!(shard, "lease lost; no longer serving the shard");
             self.held.remove(&shard);
-            let _ = self.host.release(shard).await;
         }
+        self.host.drop_lapsed(&lost).await;
     }
 
     /// Hands a shard back: stop taking requests, finish those in flight, flush its

@@ -178,6 +178,24 @@ impl ShardHost {
         Some(state)
     }
 
+    /// Stops serving `shards`, whose leases lapsed, all at once, keeping
+    /// nothing: their windows are closed, so what their responders still have
+    /// in flight answers `unavailable`. Their graces run together: when the
+    /// leases lapsed because NATS is out of reach, no answer can leave, and one
+    /// after another each shard waited out its whole grace.
+    pub async fn drop_lapsed(&mut self, shards: &[u32]) {
+        let lapsed: Vec<Served> = shards
+            .iter()
+            .filter_map(|shard| self.served.remove(shard))
+            .collect();
+        metrics::gauge!("ankusa_shards_owned").set(self.served.len() as f64);
+        futures::future::join_all(lapsed.into_iter().map(|served| async move {
+            served.responder.stop(RELEASE_GRACE).await;
+            served.actor.stop(None);
+        }))
+        .await;
+    }
+
     /// Releases every shard, one after another, dropping their state (standalone
     /// mode keeps nothing; fleet mode hands shards back one by one instead).
     pub async fn release_all(&mut self) {

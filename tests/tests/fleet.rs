@@ -866,7 +866,8 @@ async fn the_state_bucket_expires_its_messages_without_markers() {
 /// time. Every KV call would time out, one shard after another (16 × the lease
 /// TTL here), in the round that is running and in the leave; so the stop does
 /// not wait for the round, the leave as a whole is bounded, and what it could
-/// not hand back lapses by TTL, as after a crash.
+/// not hand back lapses by TTL, as after a crash. It says so: the shards whose
+/// leases lapsed before the leave, each by name, or those the leave gave up on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_cut_off_from_nats_still_stops_in_bounded_time() {
     let mut nats = NatsServer::start().await.expect("nats");
@@ -898,11 +899,46 @@ async fn a_node_cut_off_from_nats_still_stops_in_bounded_time() {
         "it left at once ({:?}): did it try to hand anything back?",
         asked.elapsed()
     );
+    let log = node.log();
+    let lapsed = (0..16)
+        .filter(|shard| log.contains(&format!("no longer serving the shard shard={shard}\n")))
+        .count();
     assert!(
-        node.log().contains("leases lapse by TTL"),
-        "the node says what it left behind; log tail:\n{}",
+        lapsed == 16 || log.contains("leases lapse by TTL"),
+        "the node says what it left behind ({lapsed} shards named lapsed); log tail:\n{}",
         node.log_tail(30)
     );
+}
+
+/// A node whose NATS server is gone stops serving all its shards together
+/// once their leases lapse, and goes on with its rounds. Releasing them one
+/// after another waited out each shard's in-flight grace in turn (2 s a
+/// shard, its answers unable to leave): 16 shards took half a minute, a
+/// node of 1,024 shards over half an hour, its ownership loop stuck in it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_cut_off_from_nats_lets_its_lapsed_shards_go_together() {
+    let mut nats = NatsServer::start().await.expect("nats");
+    let node = node("node-a", &nats);
+    node.wait_ready(Duration::from_secs(20))
+        .await
+        .expect("node ready");
+    assert_eq!(node.metric("ankusa_shards_owned").await, Some(16.0));
+    nats.kill().await.expect("nats-server killed");
+    let killed = Instant::now();
+    // The leases lapse 1.5 s after their last renewal (TTL 2 s, margin
+    // 0.5 s); the renewal that finds it waits out its own bound (2 s), then
+    // every shard's in-flight answers get one grace (2 s), together.
+    let bound = Duration::from_secs(10);
+    while node.metric("ankusa_shards_owned").await != Some(0.0) {
+        assert!(
+            killed.elapsed() < bound,
+            "still serving {:?} shards {:?} after NATS went away; log tail:\n{}",
+            node.metric("ankusa_shards_owned").await,
+            killed.elapsed(),
+            node.log_tail(20)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// 400 hits at once, over every shard; each must be answered `Ok`.
