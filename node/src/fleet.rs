@@ -122,11 +122,16 @@ impl Fleet {
             claim_log_format: claimlog::NODE_LOG_FORMAT,
         };
         let bound = self.config.lease_ttl();
-        if let Err(err) = within(bound, self.kv.heartbeat(&beat, self.config.lease_ttl())).await {
+        let beat = within(bound, self.kv.heartbeat(&beat, self.config.lease_ttl())).await;
+        if let Err(err) = &beat {
             tracing::warn!(error = %err, "heartbeat failed");
         }
         let nodes = match self.membership.live(self.config.lease_ttl()) {
             Some(nodes) => Ok(nodes),
+            // The listing reads the bucket the heartbeat could not write: in an
+            // outage it would wait out its bound too, every round. Keep the
+            // last view.
+            None if beat.is_err() => return,
             None => {
                 metrics::counter!("ankusa_membership_listings_total").increment(1);
                 within(bound, self.kv.live_nodes()).await

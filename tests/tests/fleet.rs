@@ -958,6 +958,38 @@ async fn burst(store: &FleetStore, round: &str) {
     );
 }
 
+/// A node whose heartbeats fail (their stream gone: the server answers "no
+/// responders" at once, as for a stream without quorum), and whose watch of
+/// them has stopped, keeps its last view of the live nodes rather than list
+/// the same bucket every round: in an outage that listing only waits out its
+/// bound too. Its shards stay served (their leases are in another bucket).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_heartbeats_fail_keeps_its_view_without_listing() {
+    let nats = NatsServer::start().await.expect("nats");
+    let mut node = node("node-a", &nats);
+    node.wait_ready(Duration::from_secs(20))
+        .await
+        .expect("node ready");
+    let js = async_nats::jetstream::new(nats.connect().await.expect("connect"));
+    js.delete_stream("KV_ankusa_test_nodes")
+        .await
+        .expect("the heartbeats' stream deleted");
+    node.process()
+        .wait_for_log("heartbeat failed", Duration::from_secs(5))
+        .await
+        .expect("the heartbeat fails");
+    let listings = "ankusa_membership_listings_total";
+    let before = node.metric(listings).await.unwrap_or(0.0);
+    // Eight rounds (`lease_renew_ms` 400).
+    tokio::time::sleep(Duration::from_millis(3_200)).await;
+    let listed = node.metric(listings).await.unwrap_or(0.0) - before;
+    assert!(
+        listed <= 1.0,
+        "{listed} listings in eight rounds without heartbeats"
+    );
+    assert_eq!(node.metric("ankusa_shards_owned").await, Some(16.0));
+}
+
 /// The consumers JetStream holds on the heartbeats' stream.
 async fn heartbeat_consumers(nats: &NatsServer) -> usize {
     let js = async_nats::jetstream::new(nats.connect().await.expect("connect"));
