@@ -92,6 +92,16 @@ fn tenant_on(shard: u32) -> String {
         .expect("some tenant hashes to every shard")
 }
 
+/// Deletes a bucket's stream from under the fleet: the server then answers
+/// its writes "no responders" at once, as it does for a stream that lost its
+/// leader with its quorum.
+async fn delete_stream(nats: &NatsServer, stream: &str) {
+    let js = async_nats::jetstream::new(nats.connect().await.expect("connect"));
+    js.delete_stream(stream)
+        .await
+        .unwrap_or_else(|e| panic!("deleting {stream}: {e}"));
+}
+
 /// The lease operations the fleet relies on, on `FleetKv` alone: a lease is
 /// taken only where none is held, renewed and released only with its
 /// current revision (a stale one is a lease lost), and taken again over the
@@ -141,10 +151,7 @@ async fn leases_are_taken_renewed_and_released_by_revision() {
 async fn lease_writes_never_acknowledged_leave_nothing_behind() {
     let nats = NatsServer::start().await.expect("nats");
     let kv = kv(&nats).await;
-    let js = async_nats::jetstream::new(nats.connect().await.expect("connect"));
-    js.delete_stream("KV_ankusa_test_leases")
-        .await
-        .expect("the leases' stream deleted");
+    delete_stream(&nats, "KV_ankusa_test_leases").await;
     // Without a stream, the server says at once that nobody takes the write.
     let started = Instant::now();
     let refused = kv.renew_lease(1, "n1", 1, Duration::from_secs(5)).await;
@@ -726,10 +733,7 @@ async fn a_node_whose_lease_writes_fail_tries_once_a_round() {
     node.wait_ready(Duration::from_secs(20))
         .await
         .expect("node ready");
-    let js = async_nats::jetstream::new(nats.connect().await.expect("connect"));
-    js.delete_stream("KV_ankusa_test_leases")
-        .await
-        .expect("the leases' stream deleted");
+    delete_stream(&nats, "KV_ankusa_test_leases").await;
     let failures = || node.metric("ankusa_lease_acquire_failures_total");
     // The leases lapse (TTL 2 s, margin 0.5 s), then every free shard is tried.
     let lapsed = Instant::now() + Duration::from_secs(10);
@@ -970,10 +974,7 @@ async fn a_node_whose_heartbeats_fail_keeps_its_view_without_listing() {
     node.wait_ready(Duration::from_secs(20))
         .await
         .expect("node ready");
-    let js = async_nats::jetstream::new(nats.connect().await.expect("connect"));
-    js.delete_stream("KV_ankusa_test_nodes")
-        .await
-        .expect("the heartbeats' stream deleted");
+    delete_stream(&nats, "KV_ankusa_test_nodes").await;
     node.process()
         .wait_for_log("heartbeat failed", Duration::from_secs(5))
         .await
