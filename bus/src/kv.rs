@@ -252,6 +252,13 @@ impl Write {
         }
     }
 
+    /// Publishes the write with a reply subject in `inbox`, where its ack comes.
+    async fn send(self, inbox: &Inbox) -> Result<replies::Waiting, StoreError> {
+        inbox
+            .request(self.subject.into(), Some(self.headers), self.payload)
+            .await
+    }
+
     fn expect_revision(mut self, revision: u64) -> Self {
         self.headers.insert(
             header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE,
@@ -265,10 +272,11 @@ impl Write {
 #[derive(Clone)]
 pub struct FleetKv {
     js: jetstream::Context,
-    /// Lease and heartbeat writes await their acks here, not in `async_nats`'s
-    /// request, which keeps a slot for every ack that never comes: a node
-    /// renews each lease it holds every second, and would grow by one slot a
-    /// lease a second for as long as JetStream could not answer.
+    /// Every write (claim-log messages, leases, heartbeats) awaits its ack
+    /// here, not in `async_nats`'s request, which keeps a slot for every ack
+    /// that never comes: a node renews each lease it holds every second, and
+    /// would grow by one slot a lease a second for as long as JetStream could
+    /// not answer.
     writes: Arc<Inbox>,
     state_bucket: String,
     leases_bucket: String,
@@ -354,14 +362,10 @@ impl FleetKv {
     }
 
     async fn publish(&self, write: Write) -> Result<u64, WriteError> {
-        let published = self
-            .writes
-            .request(write.subject.into(), Some(write.headers), write.payload)
-            .await;
-        acked(published, KV_WRITE_WAIT).await
+        acked(write.send(&self.writes).await, KV_WRITE_WAIT).await
     }
 
-    /// Lease and heartbeat writes waiting for their acks now.
+    /// Writes (claim-log messages, leases, heartbeats) waiting for their acks now.
     pub fn awaiting_acks(&self) -> usize {
         self.writes.waiting()
     }
@@ -849,7 +853,7 @@ impl KvWriter {
             node_log: node_log.clone(),
         });
         let logs = ClaimLogs::new(kv.state_bucket.clone());
-        tokio::spawn(commit_loop(kv.js.client(), logs, node_log, rx));
+        tokio::spawn(commit_loop(kv.writes.clone(), logs, node_log, rx));
         let flusher = Arc::downgrade(&writer);
         tokio::spawn(async move {
             let mut ticks = tokio::time::interval(write_behind);
@@ -1096,14 +1100,11 @@ const LANDING_YIELDS: usize = 4;
 /// messages in flight, its next changes queue up and leave together when one
 /// is acknowledged.
 async fn commit_loop(
-    client: async_nats::Client,
+    inbox: Arc<Inbox>,
     mut logs: ClaimLogs,
     node_log: Arc<AtomicBool>,
     mut rx: mpsc::Receiver<Submitted>,
 ) {
-    // A log message's ack is its publish's reply: awaited in an inbox of our
-    // own, so that an ack that never comes leaves nothing behind.
-    let inbox = Inbox::new(client);
     let mut acks = FuturesUnordered::new();
     let mut open = true;
     while open || !acks.is_empty() {
@@ -1196,9 +1197,7 @@ async fn publish_log_message(
     waiters: Vec<Done>,
     log: LogId,
 ) -> BoxFuture<'static, LogId> {
-    let published = inbox
-        .request(write.subject.into(), Some(write.headers), write.payload)
-        .await;
+    let published = write.send(inbox).await;
     let sent = std::time::Instant::now();
     async move {
         let result = acked(published, ACK_WAIT)
