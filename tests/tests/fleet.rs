@@ -18,7 +18,7 @@ use ankusa_bus::protocol::{ErrorCode, Op, Reply, ReplyBody, Request};
 use ankusa_bus::{shard_of, FleetConfig, FleetStore, NatsOptions, Store, Subjects};
 use ankusa_node::fleet::target_owner;
 use ankusa_tests::requests::{hit, settle};
-use ankusa_tests::{connected_edge, NatsServer, NodeProcess, NodeSpec, Signal};
+use ankusa_tests::{connected_edge, wait_until, NatsServer, NodeProcess, NodeSpec, Signal};
 use futures::StreamExt;
 
 const SHARDS: u32 = 16;
@@ -171,7 +171,8 @@ async fn lease_writes_never_acknowledged_leave_nothing_behind() {
         .await
         .expect("subscribes");
     silent.flush().await.expect("flushes");
-    let bound = Duration::from_millis(400);
+    // Long enough for every write to be on the wire, however busy the host.
+    let bound = Duration::from_secs(3);
     let writes = (0..40u32).map(|shard| {
         let kv = kv.clone();
         tokio::spawn(async move {
@@ -183,11 +184,11 @@ async fn lease_writes_never_acknowledged_leave_nothing_behind() {
         })
     });
     let writes: Vec<_> = writes.collect();
-    tokio::time::sleep(bound / 2).await;
-    assert_eq!(
-        kv.awaiting_acks(),
-        40,
-        "the writes wait in the node's inbox"
+    let all_out = wait_until(bound / 2, || async { kv.awaiting_acks() == 40 }).await;
+    assert!(
+        all_out.is_ok(),
+        "the writes wait in the node's inbox: {} of 40",
+        kv.awaiting_acks()
     );
     for write in writes {
         let result = write.await.expect("the write's task");
@@ -479,7 +480,14 @@ async fn claims_go_to_the_node_log_only_once_every_live_node_reads_it() {
         "beside an earlier node, only group logs: {keys:?}"
     );
     for node in &nodes {
-        assert_eq!(node.metric("ankusa_claim_log_format").await, Some(1.0));
+        // A node sets the gauge in its first round that knows the live nodes:
+        // the shard's owner has had one, the other may still be starting.
+        let format = "ankusa_claim_log_format";
+        let _ = wait_until(Duration::from_secs(10), || async {
+            node.metric(format).await.is_some()
+        })
+        .await;
+        assert_eq!(node.metric(format).await, Some(1.0));
     }
 
     // Once it is gone, the next rounds switch both nodes to their node logs.
