@@ -199,6 +199,29 @@ impl NatsOptions {
     }
 }
 
+/// Returns once the server has taken in everything `client` sent before this
+/// call, a subscription say, so that what other clients publish next reaches
+/// it. `Client::flush` only writes the socket: the server may still be
+/// reading it while another connection's messages find no subscriber (and
+/// their requests hear "no responders"). The proof is a message of the
+/// client's own, sent after, come back through the server. Callers bound it.
+pub async fn server_caught_up(client: &async_nats::Client) -> Result<(), ConnectError> {
+    use futures::StreamExt;
+    let inbox = client.new_inbox();
+    let mut echo = client
+        .subscribe(inbox.clone())
+        .await
+        .map_err(|e| ConnectError::Client(e.to_string()))?;
+    client
+        .publish(inbox, bytes::Bytes::new())
+        .await
+        .map_err(|e| ConnectError::Client(e.to_string()))?;
+    match echo.next().await {
+        Some(_) => Ok(()),
+        None => Err(ConnectError::Client("the connection closed".into())),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::is_subject_prefix;

@@ -202,7 +202,9 @@ async fn the_node_echo_is_batched_to_as_a_node() {
     // Copies of what reaches the node's subject: the edge's batches.
     let node_subject = format!("ankusa.{instance}.node.{}", NodeEchoResponder::NODE);
     let mut batches = client.subscribe(node_subject).await.expect("subscribe");
-    client.flush().await.expect("flush");
+    ankusa_bus::server_caught_up(&client)
+        .await
+        .expect("the server has the subscription");
     let mut config = FleetConfig::new(NatsOptions::with_servers([server.url()]), instance);
     config.batching = true;
     let store = Arc::new(connected_edge(config).await);

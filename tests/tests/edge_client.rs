@@ -382,7 +382,9 @@ async fn shard_stand_in(url: &str, delay: Option<Duration>) -> tokio::task::Join
                 .expect("subscribes"),
         );
     }
-    client.flush().await.expect("flushes");
+    ankusa_bus::server_caught_up(&client)
+        .await
+        .expect("the server has the subscriptions");
     let mut requests = futures::stream::select_all(all);
     tokio::spawn(async move {
         while let Some(request) = futures::StreamExt::next(&mut requests).await {

@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 use ankusa_actors::{HitOutcome, SettleOutcome, Settlement};
 use ankusa_bus::kv::{within, FleetKv, Heartbeat, LeaseError};
 use ankusa_bus::protocol::{ErrorCode, Op, Reply, ReplyBody, Request};
-use ankusa_bus::{shard_of, FleetConfig, FleetStore, NatsOptions, Store, Subjects};
+use ankusa_bus::{
+    server_caught_up, shard_of, FleetConfig, FleetStore, NatsOptions, Store, Subjects,
+};
 use ankusa_node::fleet::target_owner;
 use ankusa_tests::requests::{hit, settle};
 use ankusa_tests::{connected_edge, wait_until, NatsServer, NodeProcess, NodeSpec, Signal};
@@ -170,9 +172,12 @@ async fn lease_writes_never_acknowledged_leave_nothing_behind() {
         .subscribe("$KV.ankusa_test_leases.>")
         .await
         .expect("subscribes");
-    silent.flush().await.expect("flushes");
     // Long enough for every write to be on the wire, however busy the host.
     let bound = Duration::from_secs(3);
+    tokio::time::timeout(bound, server_caught_up(&silent))
+        .await
+        .expect("in time")
+        .expect("the server has the stand-in's subscription");
     let writes = (0..40u32).map(|shard| {
         let kv = kv.clone();
         tokio::spawn(async move {
@@ -185,14 +190,17 @@ async fn lease_writes_never_acknowledged_leave_nothing_behind() {
     });
     let writes: Vec<_> = writes.collect();
     let all_out = wait_until(bound / 2, || async { kv.awaiting_acks() == 40 }).await;
+    let seen_out = kv.awaiting_acks();
+    let mut results = Vec::new();
+    for write in writes {
+        results.push(write.await.expect("the write's task"));
+    }
     assert!(
         all_out.is_ok(),
-        "the writes wait in the node's inbox: {} of 40",
-        kv.awaiting_acks()
+        "the writes wait in the node's inbox: {seen_out} of 40, then {results:?}"
     );
-    for write in writes {
-        let result = write.await.expect("the write's task");
-        assert!(matches!(&result, Err(LeaseError::Kv(_))), "{result:?}");
+    for result in &results {
+        assert!(matches!(result, Err(LeaseError::Kv(_))), "{result:?}");
     }
     assert_eq!(
         kv.awaiting_acks(),

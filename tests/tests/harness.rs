@@ -15,7 +15,9 @@ async fn spawn_echo(client: async_nats::Client, subject: &str) {
         .subscribe(subject.to_string())
         .await
         .expect("subscribe");
-    client.flush().await.expect("flush subscription");
+    ankusa_bus::server_caught_up(&client)
+        .await
+        .expect("the server has the subscription");
     tokio::spawn(async move {
         while let Some(msg) = sub.next().await {
             if let Some(reply) = msg.reply {

@@ -21,7 +21,7 @@
 use std::time::Duration;
 
 use ankusa_actors::{HitOutcome, HitRequest, SettleOutcome, SettleRequest};
-use ankusa_bus::{Op, Reply, ReplyBody, Request, Store, StoreError, Subjects};
+use ankusa_bus::{server_caught_up, Op, Reply, ReplyBody, Request, Store, StoreError, Subjects};
 use async_nats::{Client, RequestErrorKind};
 use bytes::Bytes;
 use futures::StreamExt;
@@ -32,8 +32,8 @@ use tokio::task::JoinHandle;
 pub enum EchoError {
     #[error("cannot subscribe to `{subject}`: {message}")]
     Subscribe { subject: String, message: String },
-    #[error("cannot flush the subscription to the server: {0}")]
-    Flush(String),
+    #[error("the server did not confirm the subscription: {0}")]
+    NotConfirmed(String),
     #[error("`{0}` is not a valid base subject (empty, or has a wildcard or whitespace)")]
     BadSubject(String),
 }
@@ -104,6 +104,9 @@ impl Drop for EchoResponder {
     }
 }
 
+/// How long the server may take to confirm a responder's subscription.
+const CONFIRM_WAIT: Duration = Duration::from_secs(5);
+
 /// Subscribes to `subject` and returns once the server has the subscription,
 /// so a request sent right after finds a responder.
 async fn subscribe(client: &Client, subject: String) -> Result<async_nats::Subscriber, EchoError> {
@@ -114,11 +117,13 @@ async fn subscribe(client: &Client, subject: String) -> Result<async_nats::Subsc
             subject,
             message: e.to_string(),
         })?;
-    client
-        .flush()
-        .await
-        .map_err(|e| EchoError::Flush(e.to_string()))?;
-    Ok(sub)
+    match tokio::time::timeout(CONFIRM_WAIT, server_caught_up(client)).await {
+        Ok(Ok(())) => Ok(sub),
+        Ok(Err(e)) => Err(EchoError::NotConfirmed(e.to_string())),
+        Err(_) => Err(EchoError::NotConfirmed(format!(
+            "no word within {CONFIRM_WAIT:?}"
+        ))),
+    }
 }
 
 /// Answers every request on an instance's subjects (`ankusa.<instance>.>`) as a
