@@ -101,7 +101,12 @@ pub fn describe_metrics() {
         "ankusa_shard_restarts_total",
         "Shard actors that failed and were reloaded from KV"
     );
+    describe_counter!(
+        "ankusa_kv_call_timeouts_total",
+        "KV calls of the ownership loop that did not answer within their bound"
+    );
     for counter in [
+        "ankusa_kv_call_timeouts_total",
         "ankusa_kv_write_failures_total",
         "ankusa_lease_renew_failures_total",
         "ankusa_lease_acquire_failures_total",
@@ -110,6 +115,7 @@ pub fn describe_metrics() {
     ] {
         metrics::counter!(counter).increment(0);
     }
+    metrics::counter!("ankusa_requests_dropped_total", "why" => "lease").increment(0);
 }
 
 #[derive(Clone)]

@@ -97,6 +97,27 @@ async fn metrics_health_and_readiness() {
         );
     }
 
+    // What operators are told to watch is what a node exports: every metric
+    // in the alerting rules and in the operations guide's table.
+    for (source, text) in [
+        (
+            "deploy/prometheus/alerts.yml",
+            repo_file("deploy/prometheus/alerts.yml"),
+        ),
+        ("docs/operations.md", repo_file("docs/operations.md")),
+    ] {
+        let named = metric_names(&text);
+        assert!(named.len() >= 10, "{source} names only {named:?}");
+        let missing: Vec<_> = named
+            .iter()
+            .filter(|name| !metrics.contains(&format!("# TYPE {name} ")))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "{source} names metrics the node does not export: {missing:?}\n{metrics}"
+        );
+    }
+
     // Without NATS the node is alive but not ready.
     nats.stop().await.expect("nats stops");
     let unready = wait_until(Duration::from_secs(10), || async {
@@ -105,4 +126,25 @@ async fn metrics_health_and_readiness() {
     .await;
     assert!(unready.is_ok(), "readyz stayed ready without NATS");
     assert_eq!(node.http("/healthz").await.expect("healthz").0, 200);
+}
+
+/// A file of the repository, by its path from the root.
+fn repo_file(path: &str) -> String {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    std::fs::read_to_string(root.join(path)).unwrap_or_else(|e| panic!("reading {path}: {e}"))
+}
+
+/// The `ankusa_*` metric names in `text`, a histogram's series
+/// (`_bucket`, `_sum`, `_count`) by the histogram's name.
+fn metric_names(text: &str) -> std::collections::BTreeSet<String> {
+    text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|word| word.starts_with("ankusa_") && word.len() > "ankusa_".len())
+        .map(|word| {
+            ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|suffix| word.strip_suffix(suffix))
+                .unwrap_or(word)
+                .to_string()
+        })
+        .collect()
 }
