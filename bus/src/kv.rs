@@ -821,9 +821,10 @@ struct Submitted {
     done: Done,
 }
 
-/// Writes awaited at once before new ones wait. Below the JetStream context's
-/// publish permits (`max_ack_inflight`, 5000 by default): a publish waits for a
-/// permit that only an awaited ack returns, and both happen in one loop here.
+/// Submissions queued for the commit loop before their tenants wait, and log
+/// messages awaited at once before it takes new ones. The second never binds
+/// today: a log has at most [`LOG_MESSAGES_IN_FLIGHT`] messages out, and a node
+/// writes at most one log per 8 shards.
 const MAX_IN_FLIGHT: usize = 4000;
 
 /// A tenant of a shard whose buckets changed since the last flush.
