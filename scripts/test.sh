@@ -11,6 +11,10 @@ echo "test: using $NATS_SERVER_BIN ($("$NATS_SERVER_BIN" --version))"
 REDIS_SERVER_BIN=$(scripts/ensure-redis.sh)
 export REDIS_SERVER_BIN
 echo "test: using $REDIS_SERVER_BIN ($("$REDIS_SERVER_BIN" --version | head -1))"
+# The Python edge client's tests (tests/tests/python_edge.rs) run it with this.
+ANKUSA_PYTHON=$(scripts/ensure-python-edge.sh)
+export ANKUSA_PYTHON
+echo "test: using $ANKUSA_PYTHON ($("$ANKUSA_PYTHON" --version))"
 
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings

@@ -1,0 +1,1348 @@
+"""ankusa_edge: a Python edge client of an ankusa-fleet store.
+
+An edge asks the fleet, over NATS request-reply with MessagePack payloads,
+whether a webhook may pass: a *hit* charges the tenant's rate-limit buckets and
+claims the provider's event key (dedupe), a *settle* commits or releases that
+claim once the hook's fate is known, and a *reset* forgets a tenant's buckets.
+
+The specification is ``docs/protocol.md`` (wire protocol, version 1) in the
+ankusa-fleet repository; this module is written from it alone, section numbers
+(§) below refer to it, and ``tests/tests/python_edge.rs`` keeps the two in
+agreement (test vectors, shard function, and a live fleet).
+
+What it implements:
+
+- ``shard_of``: the shard function (§2).
+- Dataclasses for the request records (``Charge``, ``Claim``, ``Hit``,
+  ``Settle``, ``Reset``) and ``encode_request``, which writes the map form by
+  default and the compact form on request (§3, §5); ``EdgeClient`` sends the
+  map form unless built with ``compact=True``.
+- ``decode_reply``: replies (§6) to dataclasses (``HitOk``, ``Duplicate``,
+  ``Pending``, ``RateLimited``, ``SettleOk``, ``NotFound``, ``NotOwner``,
+  ``AlreadyCommitted``, ``ResetDone``, ``ErrorReply``), ignoring unknown keys.
+- ``StoreError`` and its subclasses: every way a call can fail, grouped as §9
+  groups them: ``RequestError`` (the request is at fault: report it, do not
+  resend or degrade) and ``FleetError`` (the fleet could not answer: degrade).
+- ``EdgeClient``: ``hit``, ``settle`` and ``reset`` over a connected nats-py
+  client, each within a hard budget, resending on NATS "no responders" as §9
+  says.
+
+Not implemented: batches and node subjects (§5.5; optional, the shard subjects
+alone are a complete protocol) and the local degrade of §9 (an edge's own
+buckets and dedupe index), which is the caller's: a ``FleetError`` is the
+signal to degrade.
+
+Run as a program, it checks itself against the spec (``vectors``), prints
+shards (``shard``) and runs a scripted sequence against a live fleet
+(``scenario``); see ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import msgpack
+import nats.errors
+
+__all__ = [
+    "BYTES",
+    "COMMIT",
+    "HOOKS",
+    "MAX_REQUEST_BYTES",
+    "MAX_SHARDS",
+    "PROTOCOL_VERSION",
+    "RELEASE",
+    "AlreadyCommitted",
+    "Charge",
+    "Claim",
+    "Disconnected",
+    "Duplicate",
+    "EdgeClient",
+    "ErrorReply",
+    "FleetError",
+    "FleetRefused",
+    "Hit",
+    "HitOk",
+    "InvalidRequest",
+    "MalformedRequest",
+    "NoResponders",
+    "NotFound",
+    "NotOwner",
+    "Pending",
+    "RateLimited",
+    "Reply",
+    "RequestError",
+    "RequestTooLarge",
+    "Reset",
+    "ResetDone",
+    "Settle",
+    "SettleOk",
+    "StoreError",
+    "Timeout",
+    "UndecodableReply",
+    "UnsupportedVersion",
+    "WrongShard",
+    "decode_reply",
+    "encode_request",
+    "fnv1a_32",
+    "shard_of",
+    "validate",
+]
+
+PROTOCOL_VERSION = 1
+"""The one protocol version this client speaks (§4)."""
+MAX_REQUEST_BYTES = 65_536
+"""Largest request payload a node takes (§8)."""
+MAX_SHARDS = 4096
+"""Most shards an instance may have (§1)."""
+
+# Bucket kinds (§5.2) and settlements (§5.3): names travel as strings.
+HOOKS = "hooks"
+BYTES = "bytes"
+COMMIT = "commit"
+RELEASE = "release"
+
+_U64_MAX = 2**64 - 1
+# §8: string limits in UTF-8 bytes, numeric maxima.
+_MAX_TENANT = 256
+_MAX_SOURCE_ID = 256
+_MAX_KEY = 1024
+_MAX_HOOK_ID = 256
+_MAX_NODE = 256
+_MAX_CHARGES = 2
+_MAX_CAPACITY_US = 31_536_000_000_000
+_MAX_TTL_MS = 7_776_000_000
+_MAX_PENDING_TTL_MS = 3_600_000
+_INSTANCE = re.compile(r"[a-z0-9_-]{1,64}")
+
+# §9: after "no responders", resend after a pause doubling from 2 ms to 50 ms;
+# a resend keeps this much of the budget for its own round trip.
+_FIRST_PAUSE_S = 0.002
+_MAX_PAUSE_S = 0.050
+_RETRY_ROUND_TRIP_S = 0.010
+
+
+# ---------------------------------------------------------------------------
+# §2 The shard function
+# ---------------------------------------------------------------------------
+
+
+def fnv1a_32(data: bytes) -> int:
+    """The 32-bit FNV-1a hash of ``data``."""
+    h = 0x811C9DC5
+    for b in data:
+        h = ((h ^ b) * 0x01000193) & 0xFFFFFFFF
+    return h
+
+
+def shard_of(tenant: str, shards: int) -> int:
+    """The shard of ``tenant`` among ``shards``: FNV-1a 32 of its UTF-8 bytes, mod S."""
+    if isinstance(shards, bool) or not isinstance(shards, int) or not 1 <= shards <= MAX_SHARDS:
+        raise ValueError(f"shards must be 1 to {MAX_SHARDS}, not {shards!r}")
+    return fnv1a_32(tenant.encode("utf-8")) % shards
+
+
+# ---------------------------------------------------------------------------
+# §5 Requests
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Charge:
+    """One bucket to charge (§5.2): GCRA ``increment_us`` against ``capacity_us``."""
+
+    kind: str  # HOOKS or BYTES
+    tenant: str
+    increment_us: int
+    capacity_us: int
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A provider event key claimed by ``hook_id`` on edge node ``node`` (§5.2)."""
+
+    tenant: str
+    source_id: str
+    key: str
+    hook_id: str
+    node: str
+    ttl_ms: int
+    pending_ttl_ms: int
+
+
+@dataclass(frozen=True)
+class Hit:
+    """Charge 0 to 2 buckets and claim a key, all or nothing (§5.2)."""
+
+    charges: Sequence[Charge] = ()
+    claim: Claim | None = None
+
+    @property
+    def tenant(self) -> str:
+        """The tenant the hit is routed by: the claim's, else the first charge's."""
+        if self.claim is not None:
+            return self.claim.tenant
+        return self.charges[0].tenant if self.charges else ""
+
+
+@dataclass(frozen=True)
+class Settle:
+    """Commit or release a claim (§5.3)."""
+
+    claim: Claim
+    settlement: str  # COMMIT or RELEASE
+
+    @property
+    def tenant(self) -> str:
+        return self.claim.tenant
+
+
+@dataclass(frozen=True)
+class Reset:
+    """Forget a tenant's buckets (§5.4)."""
+
+    tenant: str
+
+
+Op = Hit | Settle | Reset
+
+
+def _charge_record(c: Charge, compact: bool) -> Any:
+    if compact:
+        return [c.kind, c.tenant, c.increment_us, c.capacity_us]
+    return {
+        "kind": c.kind,
+        "tenant": c.tenant,
+        "increment_us": c.increment_us,
+        "capacity_us": c.capacity_us,
+    }
+
+
+def _claim_record(c: Claim | None, compact: bool) -> Any:
+    if c is None:
+        return None
+    if compact:
+        return [c.tenant, c.source_id, c.key, c.hook_id, c.node, c.ttl_ms, c.pending_ttl_ms]
+    return {
+        "tenant": c.tenant,
+        "source_id": c.source_id,
+        "key": c.key,
+        "hook_id": c.hook_id,
+        "node": c.node,
+        "ttl_ms": c.ttl_ms,
+        "pending_ttl_ms": c.pending_ttl_ms,
+    }
+
+
+def _op_record(op: Op, compact: bool) -> dict:
+    if isinstance(op, Hit):
+        charges = [_charge_record(c, compact) for c in op.charges]
+        claim = _claim_record(op.claim, compact)
+        return {"hit": [charges, claim] if compact else {"charges": charges, "claim": claim}}
+    if isinstance(op, Settle):
+        claim = _claim_record(op.claim, compact)
+        return {
+            "settle": [claim, op.settlement]
+            if compact
+            else {"claim": claim, "settlement": op.settlement}
+        }
+    if isinstance(op, Reset):
+        return {"reset": [op.tenant] if compact else {"tenant": op.tenant}}
+    raise TypeError(f"not a request operation: {op!r}")
+
+
+def encode_request(op: Op, timeout_ms: int, *, compact: bool = False) -> bytes:
+    """The request frame for ``op`` with budget ``timeout_ms`` (§3, §5.1).
+
+    The map form (keys in the order of the spec's tables) unless ``compact``,
+    which writes every record as an array of its fields. Integers take their
+    shortest MessagePack form, strings are ``str``. Raises ``MalformedRequest``
+    for a value the wire cannot carry (see ``_check_shape``).
+    """
+    _check_shape(op)
+    _check_u64("timeout_ms", timeout_ms)
+    ops = _op_record(op, compact)
+    frame: Any = (
+        [PROTOCOL_VERSION, timeout_ms, ops]
+        if compact
+        else {"v": PROTOCOL_VERSION, "timeout_ms": timeout_ms, "op": ops}
+    )
+    return msgpack.packb(frame, use_bin_type=True)
+
+
+def _check_u64(field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _U64_MAX:
+        raise MalformedRequest(f"`{field}` must be an integer from 0 to 2^64-1, not {value!r}")
+
+
+def _check_str(field: str, value: Any) -> bytes:
+    if not isinstance(value, str):
+        raise MalformedRequest(f"`{field}` must be a str, not {type(value).__name__}")
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise MalformedRequest(f"`{field}` is not encodable as UTF-8") from None
+
+
+def _check_claim_shape(claim: Any) -> None:
+    if not isinstance(claim, Claim):
+        raise MalformedRequest(f"a claim must be a Claim, not {type(claim).__name__}")
+    for field in ("tenant", "source_id", "key", "hook_id", "node"):
+        _check_str(field, getattr(claim, field))
+    _check_u64("ttl_ms", claim.ttl_ms)
+    _check_u64("pending_ttl_ms", claim.pending_ttl_ms)
+
+
+def _check_shape(op: Op) -> None:
+    """What a node would answer ``malformed``: wrong types, negative numbers,
+    unknown names. Checked before sending, whatever the client's settings."""
+    if isinstance(op, Hit):
+        if not isinstance(op.charges, (list, tuple)):
+            raise MalformedRequest("`charges` must be a list of Charge")
+        for c in op.charges:
+            if not isinstance(c, Charge):
+                raise MalformedRequest(f"a charge must be a Charge, not {type(c).__name__}")
+            if c.kind not in (HOOKS, BYTES):
+                raise MalformedRequest(f"`kind` must be {HOOKS!r} or {BYTES!r}, not {c.kind!r}")
+            _check_str("tenant", c.tenant)
+            _check_u64("increment_us", c.increment_us)
+            _check_u64("capacity_us", c.capacity_us)
+        if op.claim is not None:
+            _check_claim_shape(op.claim)
+    elif isinstance(op, Settle):
+        _check_claim_shape(op.claim)
+        if op.settlement not in (COMMIT, RELEASE):
+            raise MalformedRequest(
+                f"`settlement` must be {COMMIT!r} or {RELEASE!r}, not {op.settlement!r}"
+            )
+    elif isinstance(op, Reset):
+        _check_str("tenant", op.tenant)
+    else:
+        raise TypeError(f"not a request operation: {op!r}")
+
+
+# §8 rules, in the order a node checks them, so that the reason reported is the
+# one the node would report.
+
+
+def _text_rule(field: str, value: str, limit: int) -> dict | None:
+    n = len(value.encode("utf-8"))
+    if n == 0:
+        return {"reason": "empty", "field": field}
+    if n > limit:
+        return {"reason": "too_long", "field": field, "len": n, "max": limit}
+    return None
+
+
+def _range_rule(field: str, value: int, limit: int) -> dict | None:
+    if value == 0:
+        return {"reason": "zero", "field": field}
+    if value > limit:
+        return {"reason": "out_of_range", "field": field, "value": value, "max": limit}
+    return None
+
+
+def _first(*checks) -> dict | None:
+    for check in checks:
+        reason = check()
+        if reason is not None:
+            return reason
+    return None
+
+
+def _charge_rules(c: Charge) -> dict | None:
+    return _first(
+        lambda: _text_rule("tenant", c.tenant, _MAX_TENANT),
+        lambda: _range_rule("capacity_us", c.capacity_us, _MAX_CAPACITY_US),
+        # The spec gives increment_us the range 1 to capacity_us; a node reports
+        # a value over a year as out_of_range against that year, and anything
+        # else over the capacity as increment_exceeds_capacity.
+        lambda: _range_rule("increment_us", c.increment_us, _MAX_CAPACITY_US),
+        lambda: (
+            {
+                "reason": "increment_exceeds_capacity",
+                "increment_us": c.increment_us,
+                "capacity_us": c.capacity_us,
+            }
+            if c.increment_us > c.capacity_us
+            else None
+        ),
+    )
+
+
+def _claim_rules(c: Claim) -> dict | None:
+    return _first(
+        lambda: _text_rule("tenant", c.tenant, _MAX_TENANT),
+        lambda: _text_rule("source_id", c.source_id, _MAX_SOURCE_ID),
+        lambda: _text_rule("key", c.key, _MAX_KEY),
+        lambda: _text_rule("hook_id", c.hook_id, _MAX_HOOK_ID),
+        lambda: _text_rule("node", c.node, _MAX_NODE),
+        lambda: _range_rule("ttl_ms", c.ttl_ms, _MAX_TTL_MS),
+        lambda: _range_rule("pending_ttl_ms", c.pending_ttl_ms, _MAX_PENDING_TTL_MS),
+    )
+
+
+def _hit_rules(h: Hit) -> dict | None:
+    if not h.charges and h.claim is None:
+        return {"reason": "nothing_to_do"}
+    if len(h.charges) > _MAX_CHARGES:
+        return {"reason": "too_many_charges", "count": len(h.charges), "max": _MAX_CHARGES}
+    seen = set()
+    for c in h.charges:
+        reason = _charge_rules(c)
+        if reason is not None:
+            return reason
+        if c.kind in seen:
+            return {"reason": "duplicate_bucket", "kind": c.kind}
+        seen.add(c.kind)
+    if h.claim is not None:
+        reason = _claim_rules(h.claim)
+        if reason is not None:
+            return reason
+    if any(c.tenant != h.tenant for c in h.charges):
+        return {"reason": "mixed_tenants"}
+    return None
+
+
+def validate(op: Op) -> None:
+    """Raises ``InvalidRequest`` with the reason a node would give (§6.4, §8),
+    or ``MalformedRequest`` for a value the wire cannot carry."""
+    _check_shape(op)
+    if isinstance(op, Hit):
+        reason = _hit_rules(op)
+    elif isinstance(op, Settle):
+        reason = _claim_rules(op.claim)
+    else:
+        reason = _text_rule("tenant", op.tenant, _MAX_TENANT)
+    if reason is not None:
+        raise InvalidRequest(_describe(reason), invalid=reason)
+
+
+def _describe(reason: dict) -> str:
+    """A sentence for people about an invalid reason (never parsed)."""
+    r = reason["reason"]
+    templates = {
+        "empty": "field `{field}` is empty",
+        "too_long": "field `{field}` is {len} bytes, over the limit of {max}",
+        "nothing_to_do": "a hit needs at least one charge or a claim",
+        "too_many_charges": "{count} charges, over the limit of {max}",
+        "duplicate_bucket": "bucket `{kind}` is charged twice in one hit",
+        "mixed_tenants": "every charge and the claim must name the same tenant",
+        "zero": "`{field}` must be at least 1",
+        "increment_exceeds_capacity": "increment {increment_us} µs exceeds capacity {capacity_us} µs",
+        "out_of_range": "`{field}` is {value}, over the limit of {max}",
+    }
+    return templates[r].format(**reason)
+
+
+# ---------------------------------------------------------------------------
+# §6 Replies
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HitOk:
+    """Every charge taken; the claim, if any, is now this hook's, pending (§6.2).
+    Settle it: commit once the hook is durable, release if storing failed."""
+
+    result: ClassVar[str] = "ok"
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    """The key is committed by ``hook_id``: the hook was already stored."""
+
+    hook_id: str
+    result: ClassVar[str] = "duplicate"
+
+
+@dataclass(frozen=True)
+class Pending:
+    """Another hook holds the key and is in flight: tell the sender to retry
+    after ``retry_after_ms``; never a success (§9)."""
+
+    retry_after_ms: int
+    result: ClassVar[str] = "pending"
+
+
+@dataclass(frozen=True)
+class RateLimited:
+    """A charge was denied; nothing was charged or claimed."""
+
+    retry_after_ms: int
+    result: ClassVar[str] = "rate_limited"
+
+
+@dataclass(frozen=True)
+class SettleOk:
+    """The claim was committed or released (or committed again) (§6.3)."""
+
+    result: ClassVar[str] = "ok"
+
+
+@dataclass(frozen=True)
+class NotFound:
+    """No live claim on the key: never made, released, or expired."""
+
+    result: ClassVar[str] = "not_found"
+
+
+@dataclass(frozen=True)
+class NotOwner:
+    """Another hook, ``hook_id``, holds the key; nothing changed."""
+
+    hook_id: str
+    result: ClassVar[str] = "not_owner"
+
+
+@dataclass(frozen=True)
+class AlreadyCommitted:
+    """A release of a claim that is already committed; nothing changed."""
+
+    result: ClassVar[str] = "already_committed"
+
+
+@dataclass(frozen=True)
+class ResetDone:
+    """The tenant's buckets are forgotten (the bare ``"reset"`` body)."""
+
+    result: ClassVar[str] = "reset"
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """A request the node did not carry out; nothing was changed (§6.4)."""
+
+    code: str
+    message: str
+    invalid: dict | None = None
+    supported_versions: list | None = None
+
+
+HitOutcome = HitOk | Duplicate | Pending | RateLimited
+SettleOutcome = SettleOk | NotFound | NotOwner | AlreadyCommitted
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A reply record: its ``body`` is an outcome, ``ResetDone``, an
+    ``ErrorReply`` or (for a batch) a list of ``Reply``; ``node`` is the node
+    that answered, when it says."""
+
+    body: Any
+    node: str | None = None
+    v: int = PROTOCOL_VERSION
+
+
+def outcome_view(outcome: Any) -> Any:
+    """An outcome in its wire shape: ``{"result": ..., <fields>}``."""
+    if isinstance(outcome, ResetDone):
+        return "reset"
+    view = {"result": outcome.result}
+    view.update(outcome.__dict__)
+    return view
+
+
+def reply_view(reply: Reply) -> dict:
+    """A decoded reply back in the wire's shape, as §10 shows it in JSON."""
+    body = reply.body
+    if isinstance(body, ResetDone):
+        body_view: Any = "reset"
+    elif isinstance(body, list):
+        body_view = {"batch": [reply_view(r) for r in body]}
+    elif isinstance(body, ErrorReply):
+        error = {"code": body.code, "message": body.message}
+        if body.invalid is not None:
+            error["invalid"] = body.invalid
+        if body.supported_versions is not None:
+            error["supported_versions"] = body.supported_versions
+        body_view = {"error": error}
+    else:
+        name = "hit" if isinstance(body, (HitOk, Duplicate, Pending, RateLimited)) else "settle"
+        body_view = {name: outcome_view(body)}
+    view = {"v": reply.v, "body": body_view}
+    if reply.node is not None:
+        view["node"] = reply.node
+    return view
+
+
+def _typed(value: Any, kind: str, what: str) -> Any:
+    ok = {
+        "str": isinstance(value, str),
+        "u64": isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _U64_MAX,
+        "map": isinstance(value, dict),
+        "array": isinstance(value, list),
+    }[kind]
+    if not ok:
+        raise UndecodableReply(f"{what} is {value!r}, not a {kind}")
+    return value
+
+
+def _field(record: dict, key: str, kind: str, optional: bool = False) -> Any:
+    """``record[key]`` checked to be of ``kind``; absent or nil is None when
+    ``optional``."""
+    value = record.get(key)
+    if value is None and optional:
+        return None
+    return _typed(value, kind, f"`{key}`")
+
+
+def _hit_outcome(rec: Any) -> HitOutcome:
+    if not isinstance(rec, dict):
+        raise UndecodableReply("a hit outcome is not a map")
+    result = _field(rec, "result", "str")
+    if result == "ok":
+        return HitOk()
+    if result == "duplicate":
+        return Duplicate(_field(rec, "hook_id", "str"))
+    if result == "pending":
+        return Pending(_field(rec, "retry_after_ms", "u64"))
+    if result == "rate_limited":
+        return RateLimited(_field(rec, "retry_after_ms", "u64"))
+    raise UndecodableReply(f"unknown hit result {result!r}")
+
+
+def _settle_outcome(rec: Any) -> SettleOutcome:
+    if not isinstance(rec, dict):
+        raise UndecodableReply("a settle outcome is not a map")
+    result = _field(rec, "result", "str")
+    if result == "ok":
+        return SettleOk()
+    if result == "not_found":
+        return NotFound()
+    if result == "not_owner":
+        return NotOwner(_field(rec, "hook_id", "str"))
+    if result == "already_committed":
+        return AlreadyCommitted()
+    raise UndecodableReply(f"unknown settle result {result!r}")
+
+
+def _error_reply(rec: Any) -> ErrorReply:
+    if not isinstance(rec, dict):
+        raise UndecodableReply("an error is not a map")
+    invalid = _field(rec, "invalid", "map", optional=True)
+    if invalid is not None and not isinstance(invalid.get("reason"), str):
+        raise UndecodableReply("an invalid reason without a `reason`")
+    versions = _field(rec, "supported_versions", "array", optional=True)
+    if versions is not None:
+        versions = [_typed(x, "u64", "a supported version") for x in versions]
+    message = rec.get("message")
+    return ErrorReply(
+        code=_field(rec, "code", "str"),
+        # A message is for people only; an error without one still counts.
+        message=message if isinstance(message, str) else "",
+        invalid=invalid,
+        supported_versions=versions,
+    )
+
+
+def _reply(value: Any) -> Reply:
+    if not isinstance(value, dict):
+        raise UndecodableReply("a reply is not a map")
+    v = _field(value, "v", "u64")
+    if v != PROTOCOL_VERSION:
+        # §4: a reply of a version the edge does not speak is like no reply.
+        raise UndecodableReply(f"a reply of version {v}, this client speaks {PROTOCOL_VERSION}")
+    body = value.get("body")
+    if body == "reset":
+        parsed: Any = ResetDone()
+    elif isinstance(body, dict) and len(body) == 1:
+        ((name, rec),) = body.items()
+        if name == "hit":
+            parsed = _hit_outcome(rec)
+        elif name == "settle":
+            parsed = _settle_outcome(rec)
+        elif name == "error":
+            parsed = _error_reply(rec)
+        elif name == "batch":
+            if not isinstance(rec, list):
+                raise UndecodableReply("a batch reply is not an array")
+            parsed = [_reply(item) for item in rec]
+        else:
+            raise UndecodableReply(f"unknown reply body {name!r}")
+    else:
+        raise UndecodableReply(f"a reply body is {body!r}")
+    return Reply(body=parsed, node=_field(value, "node", "str", optional=True), v=v)
+
+
+def decode_reply(payload: bytes) -> Reply:
+    """Reads a reply frame (§6). Keys it does not know are ignored; anything
+    else it cannot read raises ``UndecodableReply``."""
+    try:
+        value = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.UnpackException) as e:  # what msgpack raises for a bad frame
+        raise UndecodableReply(f"not one MessagePack value ({type(e).__name__}: {e})") from None
+    return _reply(value)
+
+
+# ---------------------------------------------------------------------------
+# Errors, grouped as §9 groups them
+# ---------------------------------------------------------------------------
+
+
+class StoreError(Exception):
+    """A call that got no outcome. ``code`` is the error reply's code (or what
+    the node would have answered, for a request refused before sending);
+    ``reply`` is the node's ``ErrorReply`` when the node answered one."""
+
+    code: str | None = None
+
+    def __init__(self, message: str, *, reply: ErrorReply | None = None):
+        super().__init__(message)
+        self.reply = reply
+        if reply is not None:
+            self.code = reply.code
+
+
+class RequestError(StoreError):
+    """The request is at fault and would fail anywhere: report it to the
+    caller; do not resend and do not degrade (§9)."""
+
+
+class InvalidRequest(RequestError):
+    """Well-formed, but breaks a rule of §8. ``invalid`` is the reason as the
+    node gives it: ``{"reason": "too_long", "field": "key", ...}``. Raised by
+    the client before sending (``reply`` is None) or from the node's answer."""
+
+    code = "invalid"
+
+    def __init__(
+        self, message: str, *, invalid: dict | None = None, reply: ErrorReply | None = None
+    ):
+        super().__init__(message, reply=reply)
+        self.invalid = invalid
+
+
+class MalformedRequest(RequestError):
+    """Not the shape of a request: a wrong type, a negative number, an unknown name."""
+
+    code = "malformed"
+
+
+class RequestTooLarge(RequestError):
+    """Over 65 536 bytes encoded (§8)."""
+
+    code = "too_large"
+
+
+class FleetError(StoreError):
+    """The fleet, not the request, could not answer: degrade to local state (§9)."""
+
+
+class FleetRefused(FleetError):
+    """An error reply that puts the fault on the fleet (``unavailable``,
+    ``overloaded``, ``internal``, ``deadline_expired``, or a code this client
+    does not know); ``code`` says which."""
+
+
+class WrongShard(FleetRefused):
+    """The node says the tenant is not on this shard: this client's shard count
+    differs from the fleet's. A configuration error: degrade and alert."""
+
+    code = "wrong_shard"
+
+
+class UnsupportedVersion(FleetRefused):
+    """The node does not speak version 1; ``supported_versions`` says what it
+    speaks. This client speaks nothing else: degrade and alert."""
+
+    code = "unsupported_version"
+
+    @property
+    def supported_versions(self) -> list:
+        return list(self.reply.supported_versions or []) if self.reply else []
+
+
+class NoResponders(FleetError):
+    """No node took the shard's requests (a shard moving, or no node up), and
+    resending did not help within the budget; ``attempts`` were made."""
+
+    def __init__(self, message: str, *, attempts: int):
+        super().__init__(message)
+        self.attempts = attempts
+
+
+class Timeout(FleetError):
+    """No reply within the call's budget."""
+
+
+class Disconnected(FleetError):
+    """The NATS connection cannot carry the request now (closed, draining,
+    reconnecting, or its buffer full)."""
+
+
+class UndecodableReply(FleetError):
+    """A reply this client cannot read, or of a version it does not speak:
+    like no reply (§9)."""
+
+
+def _error_for(error: ErrorReply) -> StoreError:
+    text = f"{error.code}: {error.message}"
+    if error.code == "invalid":
+        return InvalidRequest(text, invalid=error.invalid, reply=error)
+    request_at_fault = {"malformed": MalformedRequest, "too_large": RequestTooLarge}
+    if error.code in request_at_fault:
+        return request_at_fault[error.code](text, reply=error)
+    fleet_at_fault = {"wrong_shard": WrongShard, "unsupported_version": UnsupportedVersion}
+    return fleet_at_fault.get(error.code, FleetRefused)(text, reply=error)
+
+
+# ---------------------------------------------------------------------------
+# The client
+# ---------------------------------------------------------------------------
+
+
+class EdgeClient:
+    """Calls an ankusa-fleet store over ``nc``, a connected ``nats.aio.client.Client``.
+
+    ``instance`` and ``shards`` must be the fleet's. Every call takes
+    ``timeout_ms``, a hard budget: it returns an outcome or raises a
+    ``StoreError`` within it. With ``validate`` (the default) a request that
+    breaks a rule of §8 is refused here with the ``InvalidRequest`` a node would
+    answer, without sending it. ``compact`` sends requests in the compact form.
+    """
+
+    def __init__(
+        self, nc: Any, instance: str, shards: int, *, validate: bool = True, compact: bool = False
+    ):
+        if not isinstance(instance, str) or not _INSTANCE.fullmatch(instance):
+            raise ValueError(f"instance must be 1 to 64 of a-z, 0-9, _ and -, not {instance!r}")
+        shard_of("", shards)  # checks the range
+        self._nc = nc
+        self.instance = instance
+        self.shards = shards
+        self._validate = validate
+        self._compact = compact
+
+    def subject(self, tenant: str) -> str:
+        """The subject of ``tenant``'s shard (§1)."""
+        return f"ankusa.{self.instance}.shard.{shard_of(tenant, self.shards)}"
+
+    async def hit(
+        self, charges: Sequence[Charge], claim: Claim | None = None, *, timeout_ms: int
+    ) -> HitOutcome:
+        """Charges ``charges`` and claims ``claim``'s key, all or nothing (§7.1)."""
+        return await self._call(Hit(tuple(charges), claim), "hit", timeout_ms)
+
+    async def settle(self, claim: Claim, settlement: str, *, timeout_ms: int) -> SettleOutcome:
+        """Commits (``COMMIT``) or releases (``RELEASE``) ``claim`` (§7.2)."""
+        return await self._call(Settle(claim, settlement), "settle", timeout_ms)
+
+    async def reset(self, tenant: str, *, timeout_ms: int) -> ResetDone:
+        """Forgets ``tenant``'s buckets (§7.3)."""
+        return await self._call(Reset(tenant), "reset", timeout_ms)
+
+    async def _call(self, op: Op, name: str, timeout_ms: int) -> Any:
+        reply = await self.request(op, timeout_ms=timeout_ms)
+        body = reply.body
+        if isinstance(body, ErrorReply):
+            raise _error_for(body)
+        expected = {
+            "hit": (HitOk, Duplicate, Pending, RateLimited),
+            "settle": (SettleOk, NotFound, NotOwner, AlreadyCommitted),
+            "reset": (ResetDone,),
+        }[name]
+        if not isinstance(body, expected):
+            raise UndecodableReply(f"a reply to a {name} that is not a {name} outcome: {body!r}")
+        return body
+
+    async def request(self, op: Op, *, timeout_ms: int) -> Reply:
+        """Sends one request and returns the node's reply as it came, error
+        replies included (the typed calls above raise those). Raises a
+        ``RequestError`` for a request refused before sending and a
+        ``FleetError`` when no readable reply came in time."""
+        if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int):
+            raise TypeError("timeout_ms must be an int")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_ms / 1000
+        if self._validate:
+            validate(op)
+        else:
+            _check_shape(op)
+        subject = self.subject(op.tenant)
+        pause = _FIRST_PAUSE_S
+        attempts = 0
+        while True:
+            left = deadline - loop.time()
+            budget_ms = min(int(left * 1000), _U64_MAX)
+            if budget_ms <= 0:
+                raise Timeout(f"no reply within {timeout_ms} ms")
+            # Each send carries the budget left now (§5.1).
+            payload = encode_request(op, budget_ms, compact=self._compact)
+            if len(payload) > MAX_REQUEST_BYTES:
+                raise RequestTooLarge(
+                    f"the request is {len(payload)} bytes, over the limit of {MAX_REQUEST_BYTES}"
+                )
+            if not self._nc.is_connected:
+                raise Disconnected("not connected to NATS")
+            attempts += 1
+            try:
+                msg = await asyncio.wait_for(
+                    self._nc.request(subject, payload, timeout=left), timeout=left
+                )
+            except nats.errors.NoRespondersError:
+                # §9: no node serves the shard right now. Resend after a pause
+                # while the budget leaves room for another round trip.
+                left = deadline - loop.time()
+                if left <= _RETRY_ROUND_TRIP_S:
+                    raise NoResponders(
+                        f"no responders on {subject} within {timeout_ms} ms ({attempts} attempts)",
+                        attempts=attempts,
+                    ) from None
+                await asyncio.sleep(min(pause, left - _RETRY_ROUND_TRIP_S))
+                pause = min(pause * 2, _MAX_PAUSE_S)
+                continue
+            # nats-py's TimeoutError is one too; on Python 3.10 it is not the
+            # builtin TimeoutError.
+            except asyncio.TimeoutError:  # noqa: UP041
+                raise Timeout(f"no reply within {timeout_ms} ms") from None
+            except nats.errors.Error as e:
+                raise Disconnected(f"NATS could not carry the request: {e}") from None
+            return decode_reply(msg.data)
+
+
+# ---------------------------------------------------------------------------
+# Command line: vectors, shard, scenario
+# ---------------------------------------------------------------------------
+
+# A vector check that parses nothing must not pass.
+_MIN_REQUESTS = 5
+_MIN_REPLIES = 10
+_MIN_SHARD_ROWS = 10
+
+_FENCE = re.compile(r"^```(hex|json)((?:\s+\w+=\S+)+)\s*$")
+
+
+def _doc_blocks(text: str) -> tuple:
+    """The ```hex name=...``` and ```json name=...``` blocks of the doc:
+    ({name: bytes}, {name: json value}, {name: tags})."""
+    hexes, views, tags = {}, {}, {}
+    lines = text.split("\n")
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i].strip())
+        i += 1
+        if not m:
+            continue
+        attrs = dict(token.split("=", 1) for token in m.group(2).split())
+        body = []
+        while i < len(lines) and lines[i].strip() != "```":
+            body.append(lines[i])
+            i += 1
+        i += 1
+        name = attrs["name"]
+        if m.group(1) == "hex":
+            if name in hexes:
+                raise ValueError(f"two hex blocks named {name}")
+            hexes[name] = bytes.fromhex(" ".join(body))
+            tags[name] = attrs
+        else:
+            if name in views:
+                raise ValueError(f"two json blocks named {name}")
+            views[name] = json.loads("\n".join(body))
+    return hexes, views, tags
+
+
+def _shard_rows(text: str) -> tuple:
+    """The §2 table: (shard counts of its columns, [(tenant, bytes, hash, shards)])."""
+    begin = text.index("<!-- shard-vectors:begin -->")
+    end = text.index("<!-- shard-vectors:end -->")
+    rows = [line.strip() for line in text[begin:end].split("\n") if line.strip().startswith("|")]
+    cells = [[c.strip().strip("`") for c in row.strip("|").split("|")] for row in rows]
+    header, body = cells[0], cells[2:]
+    counts = [int(h.split("=", 1)[1]) for h in header[3:]]
+    out = []
+    for c in body:
+        raw = b"" if c[1] == "(none)" else bytes.fromhex(c[1])
+        out.append((json.loads(c[0]), raw, int(c[2], 16), [int(x) for x in c[3:]]))
+    return counts, out
+
+
+def _request_from_view(view: Any) -> tuple:
+    """A request's JSON view (§10) as (op, timeout_ms, compact). Raises
+    NotImplementedError for a batch and ValueError for anything else not v1."""
+    compact = isinstance(view, list)
+    v, timeout_ms, ops = view if compact else (view["v"], view["timeout_ms"], view["op"])
+    if v != PROTOCOL_VERSION or not isinstance(ops, dict) or len(ops) != 1:
+        raise ValueError(f"not a version {PROTOCOL_VERSION} request: {view!r}")
+    ((name, rec),) = ops.items()
+
+    def record(cls, value):
+        return cls(*value) if compact else cls(**value)
+
+    def claim(value):
+        return None if value is None else record(Claim, value)
+
+    if name == "batch":
+        raise NotImplementedError("batches are not implemented")
+    if name == "hit":
+        charges, c = rec if compact else (rec["charges"], rec.get("claim"))
+        return Hit(tuple(record(Charge, x) for x in charges), claim(c)), timeout_ms, compact
+    if name == "settle":
+        c, settlement = rec if compact else (rec["claim"], rec["settlement"])
+        return Settle(claim(c), settlement), timeout_ms, compact
+    if name == "reset":
+        return record(Reset, rec), timeout_ms, compact
+    raise ValueError(f"unknown operation {name!r}")
+
+
+def _with_unknown_keys(view: dict) -> dict:
+    """A reply view with keys a later version might add, where records may get them."""
+    out = dict(view, later_field={"nested": [1, "x", None]})
+    body = out["body"]
+    if isinstance(body, dict):
+        ((name, rec),) = body.items()
+        if name == "batch":
+            rec = [_with_unknown_keys(item) for item in rec]
+        else:
+            rec = dict(rec, later_field=7)
+        out["body"] = {name: rec}
+    return out
+
+
+def cmd_vectors(path: str) -> int:
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    hexes, views, tags = _doc_blocks(text)
+    checked = {"request": 0, "reply": 0, "shard": 0}
+    failed = 0
+
+    def report(ok: bool, name: str, what: str) -> None:
+        nonlocal failed
+        failed += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {name}: {what}")
+
+    for name in sorted(set(views) - set(hexes)):
+        report(False, name, "a json view without its hex block")
+    for name, raw in hexes.items():
+        if name not in views:
+            refused = tags[name].get("refused")
+            print(
+                f"skip {name}: a request a node refuses ({refused}); nothing for an edge to check"
+            )
+            continue
+        view = views[name]
+        try:
+            as_sent = msgpack.unpackb(raw, raw=False)
+        except (ValueError, msgpack.UnpackException) as e:
+            report(False, name, f"the hex is not one MessagePack value: {e}")
+            continue
+        if as_sent != view:
+            report(False, name, "the json view is not what the hex says")
+            continue
+        if name.startswith("request-"):
+            try:
+                op, timeout_ms, compact = _request_from_view(view)
+            except NotImplementedError as e:
+                print(f"skip {name}: {e} (json view matches the hex)")
+                continue
+            mine = encode_request(op, timeout_ms, compact=compact)
+            form = "compact" if compact else "map"
+            if mine == raw:
+                report(True, name, f"encoded to the same {len(raw)} bytes ({form} form)")
+            else:
+                report(
+                    False,
+                    name,
+                    f"encoded ({form} form) to\n  {mine.hex(' ')}\nnot\n  {raw.hex(' ')}",
+                )
+            checked["request"] += 1
+        elif name.startswith("reply-"):
+            try:
+                got = reply_view(decode_reply(raw))
+                extended = msgpack.packb(_with_unknown_keys(view), use_bin_type=True)
+                got_extended = reply_view(decode_reply(extended))
+            except StoreError as e:
+                report(False, name, f"not decoded: {e!r}")
+            else:
+                if got != view:
+                    report(False, name, f"decoded to {got!r}")
+                elif got_extended != view:
+                    report(False, name, f"with unknown keys, decoded to {got_extended!r}")
+                else:
+                    report(True, name, "decoded to the json view (also with unknown keys added)")
+            checked["reply"] += 1
+        else:
+            report(False, name, "neither request- nor reply-: unknown kind of vector")
+    counts, rows = _shard_rows(text)
+    for tenant, raw, want_hash, want_shards in rows:
+        got = [shard_of(tenant, s) for s in counts]
+        ok = tenant.encode("utf-8") == raw and fnv1a_32(raw) == want_hash and got == want_shards
+        report(
+            ok,
+            f"shard {json.dumps(tenant)}",
+            f"fnv1a_32 {fnv1a_32(raw):#010x}, shards {got} for S={counts}",
+        )
+        checked["shard"] += 1
+    total = sum(checked.values())
+    print(
+        f"vectors: {total} checked ({checked['request']} requests, {checked['reply']} replies, "
+        f"{checked['shard']} shard rows), {failed} failed"
+    )
+    minimum = {"request": _MIN_REQUESTS, "reply": _MIN_REPLIES, "shard": _MIN_SHARD_ROWS}
+    short = [f"{k} {checked[k]} < {m}" for k, m in minimum.items() if checked[k] < m]
+    if short:
+        print(f"vectors: too few checked, the doc was not parsed as expected: {', '.join(short)}")
+        return 1
+    return 1 if failed else 0
+
+
+def cmd_shard(counts: list, tenants: list) -> int:
+    """One line per tenant (JSON string literals, from the arguments or one a
+    line on stdin): its shard for each count, space-separated."""
+    if not tenants:
+        # Split on "\n" only: str.splitlines() also splits on U+0085, U+2028
+        # and others, which JSON leaves unescaped inside a string.
+        text = sys.stdin.buffer.read().decode("utf-8")
+        tenants = [json.loads(line) for line in text.split("\n") if line.strip()]
+    for tenant in tenants:
+        print(" ".join(str(shard_of(tenant, s)) for s in counts))
+    return 0
+
+
+def _error_view(e: StoreError) -> dict:
+    view = {
+        "type": type(e).__name__,
+        "code": e.code,
+        "message": str(e),
+        "from_node": e.reply is not None,
+    }
+    for group in (RequestError, FleetError):
+        if isinstance(e, group):
+            view["group"] = group.__name__
+    if isinstance(e, InvalidRequest):
+        view["invalid"] = e.invalid
+    if isinstance(e, NoResponders):
+        view["attempts"] = e.attempts
+    if isinstance(e, UnsupportedVersion):
+        view["supported_versions"] = e.supported_versions
+    return view
+
+
+async def cmd_scenario(args: argparse.Namespace) -> int:
+    import nats  # the connection is this program's; the client takes any
+
+    nc = await nats.connect(
+        args.nats, connect_timeout=5, max_reconnect_attempts=2, name="ankusa-edge-py scenario"
+    )
+    try:
+        await _scenario(nc, args)
+    finally:
+        await nc.close()
+    return 0
+
+
+async def _scenario(nc: Any, args: argparse.Namespace) -> None:
+    p = args.prefix
+    tenant = args.tenant or f"{p}-acme"
+    budget = args.timeout_ms
+    edge = EdgeClient(nc, args.instance, args.shards, compact=args.compact)
+
+    def emit(step: str, **fields: Any) -> None:
+        print(json.dumps({"step": step, **fields}), flush=True)
+
+    async def run(step: str, call, **context: Any) -> Any:
+        start = time.monotonic()
+        try:
+            result = await call
+        except StoreError as e:
+            emit(
+                step,
+                error=_error_view(e),
+                elapsed_ms=round((time.monotonic() - start) * 1000),
+                **context,
+            )
+            return e
+        emit(step, outcome=outcome_view(result), **context)
+        return result
+
+    def claim(key: str, hook: str) -> Claim:
+        return Claim(tenant, args.source, key, hook, f"{p}-edge", 600_000, 30_000)
+
+    roomy = [Charge(HOOKS, tenant, 1_000, 1_000_000), Charge(BYTES, tenant, 10, 10_000_000)]
+    k1, k2 = f"{p}-evt-1", f"{p}-evt-2"
+    h1, h2, h3, h4 = (f"{p}-h{i}" for i in range(1, 5))
+
+    # A fresh key: ok; the reply names the node that answered.
+    async def hit_naming_node() -> Any:
+        reply = await edge.request(Hit(tuple(roomy), claim(k1, h1)), timeout_ms=budget)
+        if isinstance(reply.body, ErrorReply):
+            raise _error_for(reply.body)
+        emit("answered-by", node=reply.node)
+        return reply.body
+
+    await run("hit-fresh", hit_naming_node(), tenant=tenant, key=k1, hook_id=h1)
+    await run("settle-commit", edge.settle(claim(k1, h1), COMMIT, timeout_ms=budget))
+    await run("settle-commit-again", edge.settle(claim(k1, h1), COMMIT, timeout_ms=budget))
+    await run("hit-duplicate", edge.hit(roomy, claim(k1, h2), timeout_ms=budget), hook_id=h2)
+    await run("settle-not-owner", edge.settle(claim(k1, h2), RELEASE, timeout_ms=budget))
+    await run("release-committed", edge.settle(claim(k1, h1), RELEASE, timeout_ms=budget))
+    await run("settle-not-found", edge.settle(claim(f"{p}-never", h1), COMMIT, timeout_ms=budget))
+
+    # A claim left pending blocks its key for other hooks, not for itself.
+    await run("hit-claim-pending", edge.hit(roomy, claim(k2, h3), timeout_ms=budget))
+    await run("hit-pending", edge.hit(roomy, claim(k2, h4), timeout_ms=budget), hook_id=h4)
+    await run("hit-replay", edge.hit(roomy, claim(k2, h3), timeout_ms=budget), hook_id=h3)
+    await run("release-pending", edge.settle(claim(k2, h3), RELEASE, timeout_ms=budget))
+    await run("hit-after-release", edge.hit(roomy, claim(k2, h4), timeout_ms=budget))
+
+    # A bucket of one hook a minute: the second hit waits about a minute.
+    tight_tenant = f"{p}-tight"
+    tight = [Charge(HOOKS, tight_tenant, 60_000_000, 60_000_000)]
+    await run("tight-1", edge.hit(tight, timeout_ms=budget), tenant=tight_tenant)
+    await run("tight-2", edge.hit(tight, timeout_ms=budget), tenant=tight_tenant)
+    await run("reset", edge.reset(tight_tenant, timeout_ms=budget), tenant=tight_tenant)
+    await run("tight-after-reset", edge.hit(tight, timeout_ms=budget), tenant=tight_tenant)
+
+    # A tenant over 256 bytes: refused by this client before sending, and by
+    # the node when sent anyway; both with the same reason.
+    long_tenant = "t" * 257
+    long_hit = [Charge(HOOKS, long_tenant, 1_000, 1_000_000)]
+    await run("too-long-tenant-local", edge.hit(long_hit, timeout_ms=budget))
+    unchecked = EdgeClient(nc, args.instance, args.shards, validate=False, compact=args.compact)
+    await run("too-long-tenant-node", unchecked.hit(long_hit, timeout_ms=budget))
+
+    # This client's checks give the reason a node gives, rule by rule of §8.
+    ok_claim = claim(f"{p}-evt-v", f"{p}-hv")
+    t = tenant
+    cases = {
+        "reset-empty-tenant": Reset(""),
+        "key-too-long": Hit((), replace(ok_claim, key="k" * 1025)),
+        "source-id-too-long-in-bytes": Hit((), replace(ok_claim, source_id="é" * 129)),
+        "nothing-to-do": Hit((), None),
+        "too-many-charges": Hit(
+            (Charge(HOOKS, t, 1, 1), Charge(BYTES, t, 1, 1), Charge(HOOKS, t, 1, 1))
+        ),
+        "duplicate-bucket": Hit((Charge(BYTES, t, 1, 1), Charge(BYTES, t, 1, 1))),
+        "mixed-tenants": Hit((Charge(HOOKS, f"{p}-other", 1, 1),), ok_claim),
+        "zero-capacity": Hit((Charge(HOOKS, t, 1, 0),)),
+        "zero-increment": Hit((Charge(HOOKS, t, 0, 1),)),
+        "increment-over-capacity": Hit((Charge(HOOKS, t, 2, 1),)),
+        "increment-over-a-year": Hit((Charge(HOOKS, t, _MAX_CAPACITY_US + 1, _MAX_CAPACITY_US),)),
+        "capacity-over-a-year": Hit((Charge(HOOKS, t, 1, _MAX_CAPACITY_US + 1),)),
+        "ttl-over-90-days": Hit((), replace(ok_claim, ttl_ms=_MAX_TTL_MS + 1)),
+        "pending-ttl-zero": Hit((), replace(ok_claim, pending_ttl_ms=0)),
+        "pending-ttl-over-an-hour": Hit(
+            (), replace(ok_claim, pending_ttl_ms=_MAX_PENDING_TTL_MS + 1)
+        ),
+        "settle-empty-hook-id": Settle(replace(ok_claim, hook_id=""), COMMIT),
+        "settle-node-too-long": Settle(replace(ok_claim, node="n" * 257), RELEASE),
+    }
+    for name, op in cases.items():
+        try:
+            validate(op)
+            local = None
+        except InvalidRequest as e:
+            local = e.invalid
+        reply = await unchecked.request(op, timeout_ms=budget)
+        body = reply.body
+        node = body.invalid if isinstance(body, ErrorReply) else reply_view(reply)
+        emit(f"agree-{name}", local=local, node=node)
+
+    # An edge configured with another shard count: the node says wrong_shard.
+    if args.shards > 1:
+        other = args.shards // 2
+        n = next(
+            i
+            for i in range(10_000)
+            if shard_of(f"{p}-ws-{i}", other) != shard_of(f"{p}-ws-{i}", args.shards)
+        )
+        wrong = EdgeClient(nc, args.instance, other, compact=args.compact)
+        ws_tenant = f"{p}-ws-{n}"
+        await run("wrong-shard", wrong.reset(ws_tenant, timeout_ms=budget), tenant=ws_tenant)
+
+    # A key the other edge (the Rust one, in the test) committed.
+    if args.foreign_key:
+        await run(
+            "foreign-duplicate",
+            edge.hit(roomy, claim(args.foreign_key, f"{p}-h9"), timeout_ms=budget),
+            key=args.foreign_key,
+        )
+
+    # No node on the subject: resent with a doubling pause until the budget is
+    # spent, then NoResponders, within the budget.
+    void_instance = f"{args.instance}-void"[:64]
+    void = EdgeClient(nc, void_instance, args.shards, compact=args.compact)
+    await run("no-responders", void.reset("acme", timeout_ms=300), budget_ms=300)
+
+    # A shard nobody serves at first, then a stand-in responder that answers
+    # ok: the resends find it, each with the budget left at its sending.
+    moving = EdgeClient(nc, f"{args.instance}-moving"[:64], args.shards, compact=args.compact)
+    seen: list = []
+
+    async def answer(msg: Any) -> None:
+        seen.append(msgpack.unpackb(msg.data, raw=False))
+        reply = {"v": 1, "body": {"hit": {"result": "ok"}}, "node": "stand-in"}
+        await nc.publish(msg.reply, msgpack.packb(reply, use_bin_type=True))
+
+    async def subscribe_later() -> Any:
+        await asyncio.sleep(0.1)
+        sub = await nc.subscribe(moving.subject("acme"), cb=answer)
+        await nc.flush()
+        return sub
+
+    later = asyncio.ensure_future(subscribe_later())
+    await run(
+        "no-responders-then-answer",
+        moving.hit([Charge(HOOKS, "acme", 1, 1)], timeout_ms=1_000),
+        budget_ms=1_000,
+    )
+    await (await later).unsubscribe()
+    # Compact requests are arrays: [v, timeout_ms, op].
+    sent_budgets = [m[1] if isinstance(m, list) else m["timeout_ms"] for m in seen]
+    emit("no-responders-then-answer-sent", budgets_ms=sent_budgets)
+
+    # A subscriber that never answers: Timeout at the budget.
+    silent = EdgeClient(nc, f"{args.instance}-silent"[:64], args.shards, compact=args.compact)
+    mute = await nc.subscribe(silent.subject("acme"))
+    await nc.flush()
+    await run("timeout", silent.reset("acme", timeout_ms=200), budget_ms=200)
+    await mute.unsubscribe()
+
+
+def main(argv: list | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ankusa_edge", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    vectors = sub.add_parser(
+        "vectors", help="check the encoder and decoder against the test vectors of docs/protocol.md"
+    )
+    vectors.add_argument("protocol_md")
+    shard = sub.add_parser("shard", help="print tenants' shards")
+    shard.add_argument(
+        "--shards", required=True, help="shard counts, comma-separated: one column each"
+    )
+    shard.add_argument("tenants", nargs="*", help="JSON string literals; none: one a line on stdin")
+    scenario = sub.add_parser(
+        "scenario", help="run a scripted sequence against a live fleet, one JSON line per step"
+    )
+    scenario.add_argument("--nats", required=True, help="NATS server URL")
+    scenario.add_argument("--instance", required=True)
+    scenario.add_argument("--shards", type=int, required=True)
+    scenario.add_argument("--prefix", default="py", help="prefix of every tenant, key and hook")
+    scenario.add_argument("--tenant", help="the main tenant (default PREFIX-acme)")
+    scenario.add_argument("--source", default="src", help="source_id of every claim")
+    scenario.add_argument(
+        "--foreign-key",
+        help="a key another edge committed under the main tenant and source: expected duplicate",
+    )
+    scenario.add_argument("--timeout-ms", type=int, default=2_000, help="budget of each call")
+    scenario.add_argument("--compact", action="store_true", help="send the compact form")
+    args = parser.parse_args(argv)
+    if args.command == "vectors":
+        return cmd_vectors(args.protocol_md)
+    if args.command == "shard":
+        counts = [int(s) for s in args.shards.split(",")]
+        return cmd_shard(counts, [json.loads(t) for t in args.tenants])
+    return asyncio.run(cmd_scenario(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

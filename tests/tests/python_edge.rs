@@ -1,0 +1,559 @@
+//! `docs/protocol.md` is enough to write an edge in another language: the Python
+//! edge client in `clients/python/ankusa_edge.py`, written from that document
+//! alone, speaks the protocol with the Rust nodes and edges. This keeps it so:
+//!
+//! - its encoder writes exactly the bytes of every request vector of §10 it can
+//!   express (all but batches) and its decoder reads every reply vector to its
+//!   JSON view, also with unknown keys added; every shard row of §2 matches;
+//! - its `shard_of` agrees with [`ankusa_bus::shard_of`] for a few hundred
+//!   tenants, non-ASCII, NUL and line separators included;
+//! - against a real nats-server and `ankusa-node`, its scripted scenario (in the
+//!   map form and in the compact form) gets every outcome it should, its typed
+//!   errors (`invalid` from the client and from the node, `wrong_shard`, no
+//!   responders, timeout) are what §9 groups them as, its own checks of §8
+//!   refuse a request with the reason the node gives, and a key either edge
+//!   committed is a duplicate for the other.
+//!
+//! The interpreter comes from `ANKUSA_PYTHON` (set by `scripts/test.sh`, made by
+//! `scripts/ensure-python-edge.sh`); without it these tests fail, never skip.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+
+use ankusa_actors::{HitOutcome, SettleOutcome, Settlement};
+use ankusa_bus::{shard_of, FleetConfig, NatsOptions, Store};
+use ankusa_tests::requests::{hit, settle};
+use ankusa_tests::{connected_edge, NatsServer, NodeProcess, NodeSpec};
+use serde_json::{json, Value};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::process::Command;
+
+/// Bound on any one Python process; it is killed past it.
+const LIMIT: Duration = Duration::from_secs(60);
+/// Bound on a Rust edge call.
+const T: Duration = Duration::from_millis(2000);
+/// How far past its budget a Python call may return on a busy host.
+const SLACK_MS: u64 = 150;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ is in the workspace")
+        .to_path_buf()
+}
+
+/// What a finished Python process left.
+struct Run {
+    what: String,
+    status: ExitStatus,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    /// The whole story, for assertion messages.
+    fn describe(&self) -> String {
+        format!(
+            "{} exited {}\n--- stdout ---\n{}\n--- stderr ---\n{}",
+            self.what, self.status, self.stdout, self.stderr
+        )
+    }
+
+    fn success(self) -> Self {
+        assert!(self.status.success(), "{}", self.describe());
+        self
+    }
+}
+
+async fn read_all(pipe: Option<impl AsyncRead + Unpin>) -> String {
+    let mut bytes = Vec::new();
+    if let Some(mut pipe) = pipe {
+        let _ = pipe.read_to_end(&mut bytes).await;
+    }
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// Runs `program args` in the repository root with `stdin`, killed after [`LIMIT`].
+async fn run(program: &Path, args: &[&str], stdin: Option<String>) -> Run {
+    let what = format!("{} {}", program.display(), args.join(" "));
+    let mut child = Command::new(program)
+        .args(args)
+        .current_dir(repo())
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {what}: {e}"));
+    if let (Some(mut pipe), Some(text)) = (child.stdin.take(), stdin) {
+        tokio::spawn(async move {
+            let _ = pipe.write_all(text.as_bytes()).await;
+        });
+    }
+    let stdout = tokio::spawn(read_all(child.stdout.take()));
+    let stderr = tokio::spawn(read_all(child.stderr.take()));
+    let status = match tokio::time::timeout(LIMIT, child.wait()).await {
+        Ok(status) => status.unwrap_or_else(|e| panic!("waiting for {what}: {e}")),
+        Err(_) => {
+            let _ = child.kill().await;
+            panic!(
+                "{what} did not finish within {LIMIT:?} and was killed\n--- stdout ---\n{}\n--- stderr ---\n{}",
+                stdout.await.unwrap_or_default(),
+                stderr.await.unwrap_or_default()
+            );
+        }
+    };
+    Run {
+        what,
+        status,
+        stdout: stdout.await.expect("stdout reader"),
+        stderr: stderr.await.expect("stderr reader"),
+    }
+}
+
+/// The interpreter of `ANKUSA_PYTHON`, checked to import what the client needs.
+async fn python() -> PathBuf {
+    const FIX: &str = "run `scripts/ensure-python-edge.sh` and set ANKUSA_PYTHON to the path \
+                       it prints, or run everything with `scripts/test.sh`";
+    let python = match std::env::var_os("ANKUSA_PYTHON") {
+        Some(path) if !path.is_empty() => PathBuf::from(path),
+        _ => panic!(
+            "ANKUSA_PYTHON is not set: these tests need a Python with nats-py and msgpack; {FIX}"
+        ),
+    };
+    assert!(
+        python.is_file(),
+        "ANKUSA_PYTHON={} is not a file; {FIX}",
+        python.display()
+    );
+    let check = run(&python, &["-c", "import nats, msgpack"], None).await;
+    assert!(
+        check.status.success(),
+        "ANKUSA_PYTHON={} cannot import nats-py and msgpack; {FIX}\n{}",
+        python.display(),
+        check.describe()
+    );
+    python
+}
+
+/// Runs the Python edge client's command line.
+async fn edge(args: &[&str], stdin: Option<String>) -> Run {
+    let python = python().await;
+    let mut full = vec!["clients/python/ankusa_edge.py"];
+    full.extend_from_slice(args);
+    run(&python, &full, stdin).await
+}
+
+// ---------------------------------------------------------------------------------
+// The spec's vectors
+// ---------------------------------------------------------------------------------
+
+/// Names of the doc's fenced blocks of `lang` (```` ```hex name=N ... ````).
+fn block_names(doc: &str, lang: &str) -> BTreeSet<String> {
+    let fence = format!("```{lang} ");
+    doc.lines()
+        .filter_map(|line| line.strip_prefix(&fence))
+        .filter_map(|tags| {
+            tags.split_whitespace()
+                .find_map(|tag| tag.strip_prefix("name="))
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
+#[tokio::test]
+async fn python_encoder_and_decoder_match_the_spec_vectors() {
+    let doc = std::fs::read_to_string(repo().join("docs/protocol.md")).expect("docs/protocol.md");
+    let out = edge(&["vectors", "docs/protocol.md"], None).await.success();
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    let all = out.describe();
+    assert!(
+        !lines.iter().any(|l| l.starts_with("FAIL")),
+        "a vector failed:\n{all}"
+    );
+
+    // Every frame with a JSON view is checked, but for batch requests, which the
+    // client does not implement.
+    let pairs: Vec<String> = block_names(&doc, "json")
+        .intersection(&block_names(&doc, "hex"))
+        .cloned()
+        .collect();
+    assert!(pairs.len() >= 19, "the doc has only {pairs:?}");
+    let mut checked = 0;
+    for name in &pairs {
+        let ok = lines
+            .iter()
+            .any(|l| l.starts_with(&format!("ok   {name}: ")));
+        let skipped = lines
+            .iter()
+            .any(|l| l.starts_with(&format!("skip {name}: batches are not implemented")));
+        if name.starts_with("request-batch") {
+            assert!(ok || skipped, "{name} neither checked nor skipped:\n{all}");
+        } else {
+            assert!(ok, "{name} not checked:\n{all}");
+            checked += 1;
+        }
+    }
+    assert!(
+        checked >= 19,
+        "only {checked} request and reply vectors checked:\n{all}"
+    );
+
+    // Every row of the shard table.
+    let rows = doc
+        .split("<!-- shard-vectors:begin -->")
+        .nth(1)
+        .and_then(|rest| rest.split("<!-- shard-vectors:end -->").next())
+        .expect("the shard table")
+        .lines()
+        .filter(|l| l.starts_with("| `"))
+        .count();
+    let shard_lines = lines
+        .iter()
+        .filter(|l| l.starts_with("ok   shard "))
+        .count();
+    assert!(rows >= 17, "the shard table has only {rows} rows");
+    assert_eq!(shard_lines, rows, "shard rows checked:\n{all}");
+    assert!(
+        lines.iter().filter(|l| l.starts_with("ok   ")).count() >= 36,
+        "{all}"
+    );
+}
+
+// ---------------------------------------------------------------------------------
+// The shard function
+// ---------------------------------------------------------------------------------
+
+/// A few hundred tenants: the awkward ones by hand, then pseudo-random strings
+/// over an alphabet of 1- to 4-byte characters, NUL, and characters some line
+/// splitters break on (U+0085, U+2028).
+fn tenants() -> Vec<String> {
+    let mut out: Vec<String> = [
+        "",
+        "a",
+        "acme",
+        "Acme",
+        ".",
+        "*",
+        ">",
+        " ",
+        "\0",
+        "a.b",
+        "tenant\0x",
+        "ünïcødé",
+        "日本",
+        "🦀",
+        "\r",
+        "\u{85}",
+        "\u{2028}",
+        "\u{feff}",
+        "\u{10ffff}",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let alphabet = [
+        'a',
+        'Z',
+        '0',
+        '-',
+        '_',
+        '.',
+        ' ',
+        '\0',
+        '\t',
+        '"',
+        '\\',
+        '\u{7f}',
+        '\u{80}',
+        '\u{85}',
+        'é',
+        'ß',
+        '\u{7ff}',
+        '\u{800}',
+        '日',
+        '本',
+        '\u{2028}',
+        '\u{ffff}',
+        '🦀',
+        '\u{10ffff}',
+    ];
+    let mut state: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut next = || {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (state >> 33) as usize
+    };
+    for _ in 0..300 {
+        let len = 1 + next() % 24;
+        out.push(
+            (0..len)
+                .map(|_| alphabet[next() % alphabet.len()])
+                .collect(),
+        );
+    }
+    out
+}
+
+#[tokio::test]
+async fn python_shard_of_agrees_with_rust() {
+    let tenants = tenants();
+    let counts = [1u32, 2, 7, 16, 64, 256, 1000, 4096];
+    let stdin: String = tenants
+        .iter()
+        .map(|t| serde_json::to_string(t).expect("a JSON string") + "\n")
+        .collect();
+    let list = counts.map(|c| c.to_string()).join(",");
+    let out = edge(&["shard", "--shards", &list], Some(stdin))
+        .await
+        .success();
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    assert_eq!(lines.len(), tenants.len(), "{}", out.describe());
+    for (tenant, line) in tenants.iter().zip(&lines) {
+        let want: Vec<String> = counts
+            .iter()
+            .map(|&c| shard_of(tenant, c).to_string())
+            .collect();
+        assert_eq!(
+            *line,
+            want.join(" "),
+            "shards of {tenant:?} ({:02x?}) for S = {counts:?}",
+            tenant.as_bytes()
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// A live fleet
+// ---------------------------------------------------------------------------------
+
+/// The scenario's output, one JSON object per step.
+struct Scenario {
+    steps: Vec<Value>,
+    all: String,
+}
+
+impl Scenario {
+    fn parse(run: Run) -> Self {
+        let all = run.describe();
+        let steps = run
+            .stdout
+            .lines()
+            .map(|line| {
+                serde_json::from_str(line)
+                    .unwrap_or_else(|e| panic!("not a JSON line: {line:?}: {e}\n{all}"))
+            })
+            .collect();
+        Scenario { steps, all }
+    }
+
+    fn step(&self, name: &str) -> &Value {
+        self.steps
+            .iter()
+            .find(|s| s["step"] == name)
+            .unwrap_or_else(|| panic!("no step {name}:\n{}", self.all))
+    }
+
+    fn outcome(&self, name: &str) -> &Value {
+        let step = self.step(name);
+        assert!(
+            step.get("outcome").is_some(),
+            "step {name} has no outcome: {step}\n{}",
+            self.all
+        );
+        &step["outcome"]
+    }
+
+    fn expect_outcome(&self, name: &str, want: Value) {
+        assert_eq!(*self.outcome(name), want, "step {name}\n{}", self.all);
+    }
+
+    /// The step's error, checked to be of `kind` in §9's `group`.
+    fn error(&self, name: &str, kind: &str, group: &str) -> &Value {
+        let error = &self.step(name)["error"];
+        assert_eq!(error["type"], kind, "step {name}\n{}", self.all);
+        assert_eq!(error["group"], group, "step {name}\n{}", self.all);
+        error
+    }
+
+    fn number(&self, value: &Value, what: &str) -> u64 {
+        value
+            .as_u64()
+            .unwrap_or_else(|| panic!("{what} is {value}, not a number\n{}", self.all))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_edge_against_a_live_fleet() {
+    // Fail on the interpreter before starting servers.
+    python().await;
+    let nats = NatsServer::start().await.expect("nats-server starts");
+    let node = NodeProcess::start(NodeSpec::fleet("py-fleet", vec![nats.url()])).expect("node");
+    node.wait_ready(Duration::from_secs(20))
+        .await
+        .expect("node ready");
+    let mut config = FleetConfig::new(NatsOptions::with_servers([nats.url()]), "test");
+    config.shards = 16;
+    let rust = connected_edge(config).await;
+
+    for (prefix, compact) in [("py", false), ("pyc", true)] {
+        let tenant = format!("{prefix}-acme");
+        // The Rust edge commits a key first; the Python edge must see it as a
+        // duplicate (the source is `requests::claim`'s, "src").
+        let rust_key = format!("{prefix}-rust-evt");
+        assert_eq!(
+            rust.hit(hit(&tenant, &rust_key, "rust-h1"), T).await,
+            Ok(HitOutcome::Ok)
+        );
+        assert_eq!(
+            rust.settle(settle(&tenant, &rust_key, "rust-h1", Settlement::Commit), T)
+                .await,
+            Ok(SettleOutcome::Ok)
+        );
+
+        let url = nats.url();
+        let mut args = vec![
+            "scenario",
+            "--nats",
+            &url,
+            "--instance",
+            "test",
+            "--shards",
+            "16",
+            "--prefix",
+            prefix,
+            "--tenant",
+            &tenant,
+            "--source",
+            "src",
+            "--foreign-key",
+            &rust_key,
+        ];
+        if compact {
+            args.push("--compact");
+        }
+        let s = Scenario::parse(edge(&args, None).await.success());
+        let h1 = format!("{prefix}-h1");
+        let h3 = format!("{prefix}-h3");
+
+        assert_eq!(s.step("answered-by")["node"], "py-fleet", "{}", s.all);
+        let fresh = s.step("hit-fresh");
+        assert_eq!(fresh["tenant"], tenant.as_str(), "{}", s.all);
+        assert_eq!(fresh["hook_id"], h1.as_str(), "{}", s.all);
+        s.expect_outcome("hit-fresh", json!({"result": "ok"}));
+        s.expect_outcome("settle-commit", json!({"result": "ok"}));
+        s.expect_outcome("settle-commit-again", json!({"result": "ok"}));
+        s.expect_outcome(
+            "hit-duplicate",
+            json!({"result": "duplicate", "hook_id": h1}),
+        );
+        s.expect_outcome(
+            "settle-not-owner",
+            json!({"result": "not_owner", "hook_id": h1}),
+        );
+        s.expect_outcome("release-committed", json!({"result": "already_committed"}));
+        s.expect_outcome("settle-not-found", json!({"result": "not_found"}));
+
+        s.expect_outcome("hit-claim-pending", json!({"result": "ok"}));
+        let pending = s.outcome("hit-pending");
+        assert_eq!(pending["result"], "pending", "{}", s.all);
+        let wait = s.number(&pending["retry_after_ms"], "pending's retry_after_ms");
+        assert!((1..=30_000).contains(&wait), "{}", s.all);
+        assert_eq!(s.step("hit-replay")["hook_id"], h3.as_str(), "{}", s.all);
+        s.expect_outcome("hit-replay", json!({"result": "ok"}));
+        s.expect_outcome("release-pending", json!({"result": "ok"}));
+        s.expect_outcome("hit-after-release", json!({"result": "ok"}));
+
+        s.expect_outcome("tight-1", json!({"result": "ok"}));
+        let limited = s.outcome("tight-2");
+        assert_eq!(limited["result"], "rate_limited", "{}", s.all);
+        let wait = s.number(&limited["retry_after_ms"], "rate_limited's retry_after_ms");
+        assert!((50_000..=60_000).contains(&wait), "{}", s.all);
+        s.expect_outcome("reset", json!("reset"));
+        s.expect_outcome("tight-after-reset", json!({"result": "ok"}));
+
+        let too_long = json!({"reason": "too_long", "field": "tenant", "len": 257, "max": 256});
+        let local = s.error("too-long-tenant-local", "InvalidRequest", "RequestError");
+        assert_eq!(
+            (&local["code"], &local["from_node"], &local["invalid"]),
+            (&json!("invalid"), &json!(false), &too_long),
+            "{}",
+            s.all
+        );
+        let remote = s.error("too-long-tenant-node", "InvalidRequest", "RequestError");
+        assert_eq!(
+            (&remote["code"], &remote["from_node"], &remote["invalid"]),
+            (&json!("invalid"), &json!(true), &too_long),
+            "{}",
+            s.all
+        );
+        let wrong = s.error("wrong-shard", "WrongShard", "FleetError");
+        assert_eq!(
+            (&wrong["code"], &wrong["from_node"]),
+            (&json!("wrong_shard"), &json!(true)),
+            "{}",
+            s.all
+        );
+
+        // The client's own §8 checks give the reason the node gives, rule by rule.
+        let agreements: Vec<&Value> = s
+            .steps
+            .iter()
+            .filter(|step| {
+                step["step"]
+                    .as_str()
+                    .is_some_and(|n| n.starts_with("agree-"))
+            })
+            .collect();
+        assert!(agreements.len() >= 15, "{}", s.all);
+        for step in agreements {
+            assert!(step["local"].is_object(), "{step}\n{}", s.all);
+            assert_eq!(step["local"], step["node"], "{step}\n{}", s.all);
+        }
+
+        s.expect_outcome(
+            "foreign-duplicate",
+            json!({"result": "duplicate", "hook_id": "rust-h1"}),
+        );
+
+        // §9: no responders is resent with a growing pause for the whole
+        // budget, and the call still returns within it.
+        let none = s.error("no-responders", "NoResponders", "FleetError");
+        let attempts = s.number(&none["attempts"], "attempts");
+        let elapsed = s.number(&s.step("no-responders")["elapsed_ms"], "elapsed_ms");
+        assert!(attempts >= 3, "{}", s.all);
+        assert!((150..=300 + SLACK_MS).contains(&elapsed), "{}", s.all);
+        // The resend that finds a responder 100 ms in carries the budget left
+        // then (about 900 ms), not the call's 1000 ms.
+        s.expect_outcome("no-responders-then-answer", json!({"result": "ok"}));
+        let sent = s.step("no-responders-then-answer-sent")["budgets_ms"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no budgets_ms\n{}", s.all));
+        assert_eq!(sent.len(), 1, "{}", s.all);
+        let budget = s.number(&sent[0], "the budget sent");
+        assert!((1..950).contains(&budget), "{}", s.all);
+        // A subscriber that never answers: Timeout at the budget.
+        s.error("timeout", "Timeout", "FleetError");
+        let elapsed = s.number(&s.step("timeout")["elapsed_ms"], "elapsed_ms");
+        assert!((190..=200 + SLACK_MS).contains(&elapsed), "{}", s.all);
+
+        // And the other way round: a key the Python edge committed is a
+        // duplicate for the Rust edge.
+        let py_key = fresh["key"]
+            .as_str()
+            .unwrap_or_else(|| panic!("hit-fresh names no key\n{}", s.all));
+        assert_eq!(
+            rust.hit(hit(&tenant, py_key, "rust-h2"), T).await,
+            Ok(HitOutcome::Duplicate { hook_id: h1 }),
+            "{}",
+            s.all
+        );
+    }
+}
