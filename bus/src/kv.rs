@@ -87,6 +87,10 @@ pub struct StoredBuckets {
 pub struct LeaseValue {
     pub node: String,
     pub since_ms: u64,
+    /// The writing process's [`FleetKv`]: a node id names a node across its
+    /// restarts, this one process. 0 in leases of earlier releases.
+    #[serde(default)]
+    pub incarnation: u64,
 }
 
 /// A node saying it is alive.
@@ -283,6 +287,8 @@ pub struct FleetKv {
     nodes_bucket: String,
     leases: kv::Store,
     nodes: kv::Store,
+    /// Random and never 0; written into every lease taken or renewed here.
+    incarnation: u64,
 }
 
 impl FleetKv {
@@ -343,6 +349,7 @@ impl FleetKv {
             nodes_bucket,
             leases,
             nodes,
+            incarnation: rand::random::<u64>() | 1,
         })
     }
 
@@ -370,7 +377,18 @@ impl FleetKv {
         self.writes.waiting()
     }
 
-    /// Takes the lease on `shard` for `node` if nobody holds it. Returns its revision.
+    /// The value of a lease `node` takes or renews through this `FleetKv`.
+    fn lease_value(&self, node: &str) -> Bytes {
+        encode(&LeaseValue {
+            node: node.to_string(),
+            since_ms: now_unix_ms(),
+            incarnation: self.incarnation,
+        })
+    }
+
+    /// Takes the lease on `shard` for `node` if nobody holds it, or if the
+    /// lease there was written through this very `FleetKv` (see below).
+    /// Returns its revision.
     pub async fn acquire_lease(
         &self,
         shard: u32,
@@ -378,10 +396,7 @@ impl FleetKv {
         ttl: Duration,
     ) -> Result<u64, LeaseError> {
         let key = lease_key(shard);
-        let value = encode(&LeaseValue {
-            node: node.to_string(),
-            since_ms: now_unix_ms(),
-        });
+        let value = self.lease_value(node);
         let ttl_secs = ttl.as_secs().max(1);
         let fresh =
             Write::put(&self.leases_bucket, &key, value.clone(), ttl_secs).expect_revision(0);
@@ -394,27 +409,62 @@ impl FleetKv {
         let entry = self.leases.entry(&key).await.map_err(request_err)?;
         match entry {
             Some(entry) if entry.operation == kv::Operation::Put => {
-                let holder = decode::<LeaseValue>(&key, &entry.value)
-                    .map(|v| v.node)
-                    .unwrap_or_else(|_| "an unreadable holder".into());
-                Err(LeaseError::Taken { shard, holder })
+                let lease = decode::<LeaseValue>(&key, &entry.value);
+                match lease {
+                    // Our own write, whose ack we never read: a renewal or a take
+                    // that waited in a paused or cut-off server and landed after
+                    // we had let the shard go. Nobody else can have held the
+                    // lease since (a write of theirs would have moved the
+                    // revision), so it is taken over at that revision instead of
+                    // waited out for a whole TTL. The incarnation, not the node
+                    // id, says it is ours: another process under the same id (a
+                    // restart, a paused zombie) waits it out.
+                    Ok(lease) if lease.node == node && lease.incarnation == self.incarnation => {
+                        let adopted = self
+                            .take_over(shard, value, ttl_secs, entry.revision)
+                            .await?;
+                        metrics::counter!("ankusa_leases_adopted_total").increment(1);
+                        Ok(adopted)
+                    }
+                    Ok(lease) => Err(LeaseError::Taken {
+                        shard,
+                        holder: lease.node,
+                    }),
+                    Err(_) => Err(LeaseError::Taken {
+                        shard,
+                        holder: "an unreadable holder".into(),
+                    }),
+                }
             }
             Some(marker) => {
-                let over = Write::put(&self.leases_bucket, &key, value, ttl_secs)
-                    .expect_revision(marker.revision);
-                self.publish(over).await.map_err(|err| match err {
-                    err if err.is_wrong_revision() => LeaseError::Taken {
-                        shard,
-                        holder: "another node (raced)".into(),
-                    },
-                    err => request_err(err).into(),
-                })
+                self.take_over(shard, value, ttl_secs, marker.revision)
+                    .await
             }
             None => Err(LeaseError::Taken {
                 shard,
                 holder: "another node (raced)".into(),
             }),
         }
+    }
+
+    /// Writes the lease `value` over what is at `revision` (a marker, or our
+    /// own lease); a write in between is another node's take.
+    async fn take_over(
+        &self,
+        shard: u32,
+        value: Bytes,
+        ttl_secs: u64,
+        revision: u64,
+    ) -> Result<u64, LeaseError> {
+        let over = Write::put(&self.leases_bucket, &lease_key(shard), value, ttl_secs)
+            .expect_revision(revision);
+        self.publish(over).await.map_err(|err| match err {
+            err if err.is_wrong_revision() => LeaseError::Taken {
+                shard,
+                holder: "another node (raced)".into(),
+            },
+            err => request_err(err).into(),
+        })
     }
 
     /// Extends our lease (compare-and-set on its revision). Returns the new revision.
@@ -425,10 +475,7 @@ impl FleetKv {
         revision: u64,
         ttl: Duration,
     ) -> Result<u64, LeaseError> {
-        let value = encode(&LeaseValue {
-            node: node.to_string(),
-            since_ms: now_unix_ms(),
-        });
+        let value = self.lease_value(node);
         let write = Write::put(
             &self.leases_bucket,
             &lease_key(shard),

@@ -102,6 +102,10 @@ pub fn describe_metrics() {
         "Shard actors that failed and were reloaded from KV"
     );
     describe_counter!(
+        "ankusa_leases_adopted_total",
+        "Leases this process wrote but never heard the ack of, taken back over at their revision"
+    );
+    describe_counter!(
         "ankusa_kv_call_timeouts_total",
         "KV calls of the ownership loop that did not answer within their bound"
     );
@@ -111,6 +115,7 @@ pub fn describe_metrics() {
         "ankusa_lease_renew_failures_total",
         "ankusa_lease_acquire_failures_total",
         "ankusa_leases_lost_total",
+        "ankusa_leases_adopted_total",
         "ankusa_shard_restarts_total",
     ] {
         metrics::counter!(counter).increment(0);

@@ -143,6 +143,42 @@ async fn leases_are_taken_renewed_and_released_by_revision() {
     assert_eq!(kv.awaiting_acks(), 0);
 }
 
+/// A lease whose last write was this process's own, though its ack was never
+/// read (the write waited in a paused server and landed after the node had let
+/// the shard go), is taken over at once by the same `FleetKv` and node id;
+/// a namesake (another process under the same node id: a restart, a zombie)
+/// and another node id wait, as for any lease held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_process_that_wrote_a_lease_takes_it_over() {
+    let nats = NatsServer::start().await.expect("nats");
+    let ours = kv(&nats).await;
+    let namesake = kv(&nats).await;
+    let ttl = Duration::from_secs(5);
+    let written = ours.acquire_lease(5, "n1", ttl).await.expect("taken");
+    // As if `written`'s ack had been lost: the node takes the shard again.
+    let adopted = ours
+        .acquire_lease(5, "n1", ttl)
+        .await
+        .expect("our own lease is taken over");
+    assert!(adopted > written, "revision {adopted} after {written}");
+    assert_eq!(
+        ours.renew_lease(5, "n1", written, ttl).await,
+        Err(LeaseError::Lost { shard: 5 }),
+        "the lease moved on from the revision it was taken over at"
+    );
+    match namesake.acquire_lease(5, "n1", ttl).await {
+        Err(LeaseError::Taken { shard: 5, holder }) => assert_eq!(holder, "n1"),
+        other => panic!("another process under the same node id: {other:?}"),
+    }
+    match ours.acquire_lease(5, "n2", ttl).await {
+        Err(LeaseError::Taken { shard: 5, holder }) => assert_eq!(holder, "n1"),
+        other => panic!("another node id through the same FleetKv: {other:?}"),
+    }
+    ours.renew_lease(5, "n1", adopted, ttl)
+        .await
+        .expect("the taken-over lease renews");
+}
+
 /// A lease or heartbeat write whose ack never comes (JetStream without
 /// quorum, a server restarting) leaves nothing behind in the node: each
 /// waits in the node's own inbox and leaves it when its caller gives up.
@@ -959,6 +995,56 @@ async fn a_node_cut_off_from_nats_lets_its_lapsed_shards_go_together() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// A node whose nats-server froze (SIGSTOP) longer than a lease lets its
+/// shards go; the renewals it sent meanwhile wait in the server and land when
+/// it wakes, under the node's name. The node takes those leases over and
+/// serves again within a round or two, instead of waiting a lease TTL for its
+/// own leases to expire (5.6 s with the default 5 s TTL, before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_takes_back_at_once_the_leases_its_late_writes_renewed() {
+    let mut nats = NatsServer::start().await.expect("nats");
+    let node = node("node-a", &nats);
+    node.wait_ready(Duration::from_secs(20))
+        .await
+        .expect("node ready");
+    nats.pause().expect("SIGSTOP nats-server");
+    // TTL 2 s, margin 0.5 s: every shard's window closes 1.5 s after its last
+    // renewal; the renewal that finds it out waits its bound (2 s).
+    let paused = Instant::now();
+    while node.metric("ankusa_shards_owned").await != Some(0.0) {
+        assert!(
+            paused.elapsed() < Duration::from_secs(10),
+            "still serving {:?} shards with nats-server frozen; log tail:\n{}",
+            node.metric("ankusa_shards_owned").await,
+            node.log_tail(20)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    nats.resume().expect("SIGCONT nats-server");
+    let resumed = Instant::now();
+    let back = wait_until(Duration::from_secs(10), || async {
+        node.metric("ankusa_shards_owned").await == Some(16.0)
+    })
+    .await;
+    let took = resumed.elapsed();
+    let adopted = node.metric("ankusa_leases_adopted_total").await;
+    println!("served 16 shards again {took:?} after SIGCONT, {adopted:?} leases taken over");
+    assert!(
+        back.is_ok(),
+        "not serving again; log tail:\n{}",
+        node.log_tail(20)
+    );
+    // Waiting the renewed leases out cannot take less than their TTL (2 s)
+    // from the moment the server woke and stored them.
+    assert!(
+        took < Duration::from_secs(2),
+        "{took:?} to serve again, {adopted:?} leases taken over; log tail:\n{}",
+        node.log_tail(20)
+    );
+    let store = edge(&nats).await;
+    burst(&store, "after-freeze").await;
 }
 
 /// 400 hits at once, over every shard; each must be answered `Ok`.
