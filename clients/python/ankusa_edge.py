@@ -519,7 +519,8 @@ class ResetDone:
 
 @dataclass(frozen=True)
 class ErrorReply:
-    """A request the node did not carry out; nothing was changed (§6.4)."""
+    """A request the node did not carry out; nothing was changed, except
+    after ``unavailable``, whose request may have taken effect (§6.4)."""
 
     code: str
     message: str
