@@ -1348,6 +1348,42 @@ fn read_ack(payload: &[u8]) -> Result<u64, WriteError> {
 mod tests {
     use super::*;
 
+    /// Nodes of this release and of earlier ones read each other's leases: an
+    /// earlier lease has no incarnation (0, which no `FleetKv` writes), and
+    /// an earlier node's reader skips the field it does not know.
+    #[test]
+    fn leases_read_across_releases() {
+        #[derive(Debug, PartialEq, Serialize, Deserialize)]
+        struct EarlierLease {
+            node: String,
+            since_ms: u64,
+        }
+        let earlier = encode(&EarlierLease {
+            node: "n1".into(),
+            since_ms: 7,
+        });
+        assert_eq!(
+            decode::<LeaseValue>("s.1", &earlier),
+            Ok(LeaseValue {
+                node: "n1".into(),
+                since_ms: 7,
+                incarnation: 0,
+            })
+        );
+        let now = encode(&LeaseValue {
+            node: "n2".into(),
+            since_ms: 9,
+            incarnation: 12345,
+        });
+        assert_eq!(
+            decode::<EarlierLease>("s.1", &now),
+            Ok(EarlierLease {
+                node: "n2".into(),
+                since_ms: 9,
+            })
+        );
+    }
+
     #[test]
     fn a_publish_ack_is_read_as_stored_or_refused() {
         assert_eq!(read_ack(br#"{"stream":"KV_x","seq":42}"#), Ok(42));
