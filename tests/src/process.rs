@@ -366,12 +366,19 @@ fn profile_dir() -> PathBuf {
     exe_profile.unwrap_or_else(|| workspace_root().join("target").join("debug"))
 }
 
-fn workspace_root() -> PathBuf {
-    // tests/ is a direct member of the workspace.
+/// The repository's root (tests/ is a direct member of the workspace).
+pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .map(Path::to_path_buf)
         .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// A file of the repository, by its path from the root; a test that cannot
+/// read it fails.
+pub fn read_repo_file(rel: &str) -> String {
+    std::fs::read_to_string(workspace_root().join(rel))
+        .unwrap_or_else(|e| panic!("reading {rel}: {e}"))
 }
 
 /// Builds each binary at most once per test process; the result is remembered.

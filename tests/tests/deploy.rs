@@ -11,7 +11,7 @@
 //!   committed claims, after one NATS server is killed.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -20,20 +20,9 @@ use ankusa_bus::{shard_of, FleetConfig, FleetStore, NatsOptions, Store};
 use ankusa_node::config::{NodeConfig, Overrides};
 use ankusa_tests::requests::{claim, hit, settle};
 use ankusa_tests::{cargo_bin, free_port, nats_server_bin, wait_until, ChildProcess};
-use ankusa_tests::{NodeProcess, NodeSpec};
+use ankusa_tests::{read_repo_file, workspace_root, NodeProcess, NodeSpec};
 use serde::de::IgnoredAny;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("tests/ is in the workspace")
-        .to_path_buf()
-}
-
-fn read(rel: &str) -> String {
-    std::fs::read_to_string(repo().join(rel)).unwrap_or_else(|e| panic!("reading {rel}: {e}"))
-}
 
 /// The field names a value serializes with (struct fields, in order of the map).
 fn field_names<T: serde::Serialize>(value: &T) -> Vec<String> {
@@ -48,7 +37,7 @@ fn field_names<T: serde::Serialize>(value: &T) -> Vec<String> {
 
 #[test]
 fn example_node_toml_loads_validates_and_holds_the_defaults() {
-    let path = repo().join("deploy/config/node.toml");
+    let path = workspace_root().join("deploy/config/node.toml");
     let loaded = NodeConfig::load(Some(&path), &Overrides::default())
         .unwrap_or_else(|e| panic!("deploy/config/node.toml: {e}"));
     loaded.validate().expect("validates");
@@ -63,7 +52,7 @@ fn example_node_toml_loads_validates_and_holds_the_defaults() {
     );
 
     // Every setting is there, set or commented out.
-    let text = read("deploy/config/node.toml");
+    let text = read_repo_file("deploy/config/node.toml");
     let has_key = |key: &str| {
         text.lines().any(|l| {
             let l = l.trim_start_matches(['#', ' ']);
@@ -86,7 +75,7 @@ fn example_node_toml_loads_validates_and_holds_the_defaults() {
 
 #[test]
 fn k8s_configmap_node_toml_loads_and_validates() {
-    let yaml = read("deploy/k8s/configmap.yaml");
+    let yaml = read_repo_file("deploy/k8s/configmap.yaml");
     // The block scalar under `node.toml: |`, indented 4 spaces.
     let mut lines = yaml
         .lines()
@@ -130,7 +119,7 @@ fn configuration_reference_names_every_flag_env_var_and_key() {
         .expect("ankusa-node --help runs");
     assert!(out.status.success(), "--help failed: {out:?}");
     let help = String::from_utf8_lossy(&out.stdout);
-    let doc = read("docs/configuration.md");
+    let doc = read_repo_file("docs/configuration.md");
 
     let mut flags = Vec::new();
     let mut envs = Vec::new();
@@ -242,7 +231,7 @@ async fn start_shipped_cluster(dir: &Path) -> Vec<Member> {
         .collect();
     let mut members = Vec::new();
     for i in 0..3 {
-        let mut text = read(&format!("deploy/nats/cluster/n{}.conf", i + 1));
+        let mut text = read_repo_file(&format!("deploy/nats/cluster/n{}.conf", i + 1));
         assert!(text.contains("cluster {"), "n{} has a cluster block", i + 1);
         // Through placeholders, so that a fresh port (say 42231) is never taken
         // for a shipped one (4223) by a later replacement.

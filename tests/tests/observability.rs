@@ -7,7 +7,7 @@ use ankusa_actors::{HitOutcome, HitRequest, Settlement};
 use ankusa_bus::protocol::{Op, Request};
 use ankusa_bus::{FleetConfig, FleetStore, NatsOptions, Store, Subjects};
 use ankusa_tests::requests::{claim, hit, hooks, settle};
-use ankusa_tests::{wait_until, NatsServer, NodeProcess, NodeSpec};
+use ankusa_tests::{read_repo_file, wait_until, NatsServer, NodeProcess, NodeSpec};
 
 const T: Duration = Duration::from_millis(1000);
 
@@ -102,9 +102,9 @@ async fn metrics_health_and_readiness() {
     for (source, text) in [
         (
             "deploy/prometheus/alerts.yml",
-            repo_file("deploy/prometheus/alerts.yml"),
+            read_repo_file("deploy/prometheus/alerts.yml"),
         ),
-        ("docs/operations.md", repo_file("docs/operations.md")),
+        ("docs/operations.md", read_repo_file("docs/operations.md")),
     ] {
         let named = metric_names(&text);
         assert!(named.len() >= 10, "{source} names only {named:?}");
@@ -126,12 +126,6 @@ async fn metrics_health_and_readiness() {
     .await;
     assert!(unready.is_ok(), "readyz stayed ready without NATS");
     assert_eq!(node.http("/healthz").await.expect("healthz").0, 200);
-}
-
-/// A file of the repository, by its path from the root.
-fn repo_file(path: &str) -> String {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    std::fs::read_to_string(root.join(path)).unwrap_or_else(|e| panic!("reading {path}: {e}"))
 }
 
 /// The `ankusa_*` metric names in `text`, a histogram's series

@@ -25,7 +25,9 @@ use std::time::Duration;
 use ankusa_actors::{HitOutcome, SettleOutcome, Settlement};
 use ankusa_bus::{shard_of, FleetConfig, NatsOptions, Store};
 use ankusa_tests::requests::{hit, settle};
-use ankusa_tests::{connected_edge, NatsServer, NodeProcess, NodeSpec};
+use ankusa_tests::{
+    connected_edge, read_repo_file, workspace_root, NatsServer, NodeProcess, NodeSpec,
+};
 use serde_json::{json, Value};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::process::Command;
@@ -36,13 +38,6 @@ const LIMIT: Duration = Duration::from_secs(60);
 const T: Duration = Duration::from_millis(2000);
 /// How far past its budget a Python call may return on a busy host.
 const SLACK_MS: u64 = 150;
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("tests/ is in the workspace")
-        .to_path_buf()
-}
 
 /// What a finished Python process left.
 struct Run {
@@ -80,7 +75,7 @@ async fn run(program: &Path, args: &[&str], stdin: Option<String>) -> Run {
     let what = format!("{} {}", program.display(), args.join(" "));
     let mut child = Command::new(program)
         .args(args)
-        .current_dir(repo())
+        .current_dir(workspace_root())
         .stdin(if stdin.is_some() {
             Stdio::piped()
         } else {
@@ -169,7 +164,7 @@ fn block_names(doc: &str, lang: &str) -> BTreeSet<String> {
 
 #[tokio::test]
 async fn python_encoder_and_decoder_match_the_spec_vectors() {
-    let doc = std::fs::read_to_string(repo().join("docs/protocol.md")).expect("docs/protocol.md");
+    let doc = read_repo_file("docs/protocol.md");
     let out = edge(&["vectors", "docs/protocol.md"], None).await.success();
     let lines: Vec<&str> = out.stdout.lines().collect();
     let all = out.describe();

@@ -21,7 +21,9 @@ use ankusa_actors::{HitOutcome, SettleOutcome, Settlement};
 use ankusa_bus::edge::{Edge, EdgeConfig, LocalReason, Source};
 use ankusa_bus::{FleetConfig, FleetStore, NatsOptions, Store, StoreError};
 use ankusa_tests::requests::{hit, settle};
-use ankusa_tests::{connected_edge, NatsServer, NodeProcess, NodeSpec, ServerConfig};
+use ankusa_tests::{
+    connected_edge, read_repo_file, NatsServer, NodeProcess, NodeSpec, ServerConfig,
+};
 use futures::StreamExt;
 
 const SHARDS: u32 = 16;
@@ -33,9 +35,7 @@ const EDGE_PASSWORD: &str = "edge-secret-0008";
 /// The deploy file, with its password variables defined and `extra_users` added
 /// to its user list.
 fn permissions_conf(extra_users: &str) -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/nats/permissions.conf");
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    let text = read_repo_file("deploy/nats/permissions.conf");
     let users = "  users = [\n";
     assert!(text.contains(users), "the file has a user list");
     format!(
