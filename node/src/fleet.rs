@@ -103,6 +103,11 @@ struct Fleet {
 /// Pause between attempts to take a shard that is still held elsewhere.
 const ACQUIRE_RETRY: Duration = Duration::from_millis(100);
 
+/// Lease takes sent together once a round's first has gone through. One at a
+/// time, a node that found 1,024 shards free (a cold start, or its leases
+/// lapsed in a nats-server pause) took about a second to take them.
+const TAKES_AT_ONCE: usize = 64;
+
 impl Fleet {
     fn me(&self) -> &str {
         &self.config.node_id
@@ -251,13 +256,24 @@ impl Fleet {
             .into_iter()
             .filter(|shard| !self.held.contains_key(shard))
             .collect();
-        for (tried, &shard) in free.iter().enumerate() {
+        // The first write goes alone: while JetStream takes no writes, a
+        // round costs one. Once it is through, the rest go in waves.
+        let mut wave = 1;
+        let mut tried = 0;
+        while tried < free.len() && !kv_failing {
             if self.last_renew.elapsed() >= renew_every {
                 self.renew().await;
             }
-            let sent = Instant::now();
-            let revision =
-                match within(ttl, self.kv.acquire_lease(shard, &self.config.node_id, ttl)).await {
+            let shards = &free[tried..free.len().min(tried + wave)];
+            tried += shards.len();
+            wave = TAKES_AT_ONCE;
+            let takes = shards.iter().map(|&shard| {
+                let sent = Instant::now();
+                let take = self.kv.acquire_lease(shard, &self.config.node_id, ttl);
+                async move { (shard, sent, within(ttl, take).await) }
+            });
+            for (shard, sent, result) in futures::future::join_all(takes).await {
+                let revision = match result {
                     Ok(revision) => revision,
                     Err(LeaseError::Taken { .. }) => {
                         waiting = true;
@@ -270,23 +286,26 @@ impl Fleet {
                         // out of reach). Trying them all was a write and a
                         // warning per shard every 100 ms, and a round that
                         // outlasted its health bound; the next round tries again.
-                        tracing::warn!(
-                            shard,
-                            untried = free.len() - tried - 1,
-                            error = %err,
-                            "cannot take lease; the next round tries again"
-                        );
+                        if !kv_failing {
+                            tracing::warn!(
+                                shard,
+                                untried = free.len() - tried,
+                                error = %err,
+                                "cannot take lease; the next round tries again"
+                            );
+                        }
                         metrics::counter!("ankusa_lease_acquire_failures_total").increment(1);
                         kv_failing = true;
-                        break;
+                        continue;
                     }
                 };
-            // Held from here, so that renewals keep the lease while it loads;
-            // nothing answers for it until it is served.
-            let window = ServeWindow::closed();
-            window.extend_to(lease_valid_until(&self.config, sent));
-            self.held.insert(shard, Held { revision, window });
-            taken.push(shard);
+                // Held from here, so that renewals keep the lease while it loads;
+                // nothing answers for it until it is served.
+                let window = ServeWindow::closed();
+                window.extend_to(lease_valid_until(&self.config, sent));
+                self.held.insert(shard, Held { revision, window });
+                taken.push(shard);
+            }
         }
         if taken.is_empty() {
             return waiting && !kv_failing;
