@@ -40,6 +40,36 @@ pub enum FleetError {
     Host(#[from] crate::host::HostError),
 }
 
+/// Shard numbers for a log line, runs folded: `0-15,17,20-31`. Expects them
+/// in ascending order, as the node keeps them.
+struct ShardList<'a>(&'a [u32]);
+
+impl std::fmt::Display for ShardList<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut shards = self.0.iter().copied().peekable();
+        let mut first = true;
+        while let Some(start) = shards.next() {
+            let mut end = start;
+            while shards
+                .next_if(|&next| Some(next) == end.checked_add(1))
+                .is_some()
+            {
+                end += 1;
+            }
+            if !first {
+                f.write_str(",")?;
+            }
+            first = false;
+            if end == start {
+                write!(f, "{start}")?;
+            } else {
+                write!(f, "{start}-{end}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The rendezvous weight of `node` for `shard`.
 fn weight(node: &str, shard: u32) -> u64 {
     let mut hasher = xxhash_rust::xxh3::Xxh3::new();
@@ -189,6 +219,8 @@ impl Fleet {
         });
         let renewed = futures::future::join_all(renewals).await;
         let mut lost = Vec::new();
+        let mut failed = Vec::new();
+        let mut first_error = None;
         for (shard, sent, result) in renewed {
             let Some(held) = self.held.get_mut(&shard) else {
                 continue;
@@ -204,17 +236,34 @@ impl Fleet {
                 }
                 Err(LeaseError::Kv(err)) => {
                     metrics::counter!("ankusa_lease_renew_failures_total").increment(1);
-                    tracing::warn!(shard, error = %err, "lease renewal failed; serving until the lease lapses");
+                    failed.push(shard);
+                    first_error.get_or_insert(err);
                     if !held.window.is_open() {
                         lost.push(shard);
                     }
                 }
             }
         }
+        // One line a round, not one a shard: with 1,024 shards, an outage
+        // wrote 1,024 warnings a second.
+        if let Some(error) = first_error {
+            tracing::warn!(
+                failed = failed.len(),
+                shards = %ShardList(&failed),
+                %error,
+                "lease renewals failed; serving until the leases lapse"
+            );
+        }
         for &shard in &lost {
             metrics::counter!("ankusa_leases_lost_total").increment(1);
-            tracing::warn!(shard, "lease lost; no longer serving the shard");
             self.held.remove(&shard);
+        }
+        if !lost.is_empty() {
+            tracing::warn!(
+                lost = lost.len(),
+                shards = %ShardList(&lost),
+                "leases lost; no longer serving the shards"
+            );
         }
         self.host.drop_lapsed(&lost).await;
     }
@@ -233,10 +282,28 @@ impl Fleet {
         if let Err(err) = within(self.config.lease_ttl(), release).await {
             tracing::warn!(shard, error = %err, "lease release failed; it will lapse by TTL");
         }
-        tracing::info!(
+        tracing::debug!(
             shard,
             took_ms = started.elapsed().as_millis() as u64,
             "shard handed back"
+        );
+    }
+
+    /// Hands `shards` back one after another (each waits for its answers in
+    /// flight and its flush), and says so in one line.
+    async fn hand_back_each(&mut self, shards: Vec<u32>) {
+        if shards.is_empty() {
+            return;
+        }
+        let started = Instant::now();
+        for &shard in &shards {
+            self.hand_back(shard).await;
+        }
+        tracing::info!(
+            count = shards.len(),
+            shards = %ShardList(&shards),
+            took_ms = started.elapsed().as_millis() as u64,
+            "shards handed back"
         );
     }
 
@@ -324,7 +391,8 @@ impl Fleet {
             }
         };
         let load_ms = loaded_at.elapsed().as_millis() as u64;
-        let loaded_together = taken.len();
+        let mut served = Vec::with_capacity(taken.len());
+        let (mut tenants_loaded, mut claims_loaded) = (0, 0);
         let mut states = match loaded {
             Ok(states) => states,
             Err(err) => {
@@ -351,13 +419,19 @@ impl Fleet {
                 continue;
             }
             metrics::histogram!("ankusa_shard_load_seconds").record(load_ms as f64 / 1000.0);
+            tracing::debug!(shard, tenants, claims, load_ms, "serving shard");
+            served.push(shard);
+            tenants_loaded += tenants;
+            claims_loaded += claims;
+        }
+        if !served.is_empty() {
             tracing::info!(
-                shard,
-                tenants,
-                claims,
+                count = served.len(),
+                shards = %ShardList(&served),
+                tenants = tenants_loaded,
+                claims = claims_loaded,
                 load_ms,
-                loaded_together,
-                "serving shard"
+                "serving shards"
             );
         }
         waiting && !kv_failing
@@ -387,9 +461,7 @@ impl Fleet {
             .filter(|s| !targets.contains(s))
             .copied()
             .collect();
-        for shard in moving {
-            self.hand_back(shard).await;
-        }
+        self.hand_back_each(moving).await;
         let waiting = self.acquire().await;
         self.health.set_shards(self.held.len(), targets.len());
         // A round is bounded (every KV call in it is); several missed in a row
@@ -454,9 +526,7 @@ impl Fleet {
             tracing::warn!(error = %err, "could not withdraw heartbeat");
         }
         let shards: Vec<u32> = self.held.keys().copied().collect();
-        for shard in shards {
-            self.hand_back(shard).await;
-        }
+        self.hand_back_each(shards).await;
         self.writer.flush_buckets(None).await;
     }
 }
@@ -633,6 +703,18 @@ mod tests {
                 assert_eq!(a, b);
             }
         }
+    }
+
+    #[test]
+    fn shard_lists_fold_runs() {
+        let list = |shards: &[u32]| ShardList(shards).to_string();
+        assert_eq!(list(&[]), "");
+        assert_eq!(list(&[7]), "7");
+        assert_eq!(
+            list(&[0, 1, 2, 3, 5, 7, 8, u32::MAX]),
+            "0-3,5,7-8,4294967295"
+        );
+        assert_eq!(list(&[u32::MAX - 1, u32::MAX]), "4294967294-4294967295");
     }
 
     #[test]
