@@ -1,4 +1,5 @@
-//! Where a tenant lives: the shard function and the subjects a shard answers on.
+//! Where a tenant lives: the shard function, the subjects a shard answers on,
+//! and shard lists as people read them.
 //!
 //! `shard = fnv1a_32(utf8(tenant)) mod shards`. FNV-1a is specified in a few lines
 //! (see `docs/protocol.md`), so an edge in any language computes the same shard.
@@ -19,6 +20,32 @@ pub fn fnv1a_32(bytes: &[u8]) -> u32 {
 /// The shard owning `tenant` among `shards` (which must be at least 1).
 pub fn shard_of(tenant: &str, shards: u32) -> u32 {
     fnv1a_32(tenant.as_bytes()) % shards.max(1)
+}
+
+/// Shard numbers as people read them, runs folded: `0-15,17,20-31` (`-` for
+/// none). Expects them in ascending order, as nodes and leases keep them.
+pub fn ranges(shards: &[u32]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut shards = shards.iter().copied().peekable();
+    while let Some(start) = shards.next() {
+        let mut end = start;
+        while shards
+            .next_if(|&next| Some(next) == end.checked_add(1))
+            .is_some()
+        {
+            end += 1;
+        }
+        out.push(if start == end {
+            start.to_string()
+        } else {
+            format!("{start}-{end}")
+        });
+    }
+    if out.is_empty() {
+        "-".into()
+    } else {
+        out.join(",")
+    }
 }
 
 /// Why an instance name cannot be used.
@@ -83,6 +110,14 @@ impl Subjects {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shard_lists_fold_runs() {
+        assert_eq!(ranges(&[]), "-");
+        assert_eq!(ranges(&[7]), "7");
+        assert_eq!(ranges(&[0, 1, 2, 5, 7, 8]), "0-2,5,7-8");
+        assert_eq!(ranges(&[u32::MAX - 1, u32::MAX]), "4294967294-4294967295");
+    }
 
     #[test]
     fn fnv1a_reference_values() {

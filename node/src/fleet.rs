@@ -24,6 +24,7 @@ use ankusa_bus::claimlog;
 use ankusa_bus::kv::{within, FleetKv, Heartbeat, KvWriter, LeaseError};
 use ankusa_bus::persist::Persistence;
 use ankusa_bus::responder::ServeWindow;
+use ankusa_bus::shard::ranges;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -38,36 +39,6 @@ use crate::run::{export_stats, shard_config, SHARD_TICK, STATS_EVERY};
 pub enum FleetError {
     #[error(transparent)]
     Host(#[from] crate::host::HostError),
-}
-
-/// Shard numbers for a log line, runs folded: `0-15,17,20-31`. Expects them
-/// in ascending order, as the node keeps them.
-struct ShardList<'a>(&'a [u32]);
-
-impl std::fmt::Display for ShardList<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let mut shards = self.0.iter().copied().peekable();
-        let mut first = true;
-        while let Some(start) = shards.next() {
-            let mut end = start;
-            while shards
-                .next_if(|&next| Some(next) == end.checked_add(1))
-                .is_some()
-            {
-                end += 1;
-            }
-            if !first {
-                f.write_str(",")?;
-            }
-            first = false;
-            if end == start {
-                write!(f, "{start}")?;
-            } else {
-                write!(f, "{start}-{end}")?;
-            }
-        }
-        Ok(())
-    }
 }
 
 /// The rendezvous weight of `node` for `shard`.
@@ -249,7 +220,7 @@ impl Fleet {
         if let Some(error) = first_error {
             tracing::warn!(
                 failed = failed.len(),
-                shards = %ShardList(&failed),
+                shards = %ranges(&failed),
                 %error,
                 "lease renewals failed; serving until the leases lapse"
             );
@@ -261,7 +232,7 @@ impl Fleet {
         if !lost.is_empty() {
             tracing::warn!(
                 lost = lost.len(),
-                shards = %ShardList(&lost),
+                shards = %ranges(&lost),
                 "leases lost; no longer serving the shards"
             );
         }
@@ -301,7 +272,7 @@ impl Fleet {
         }
         tracing::info!(
             count = shards.len(),
-            shards = %ShardList(&shards),
+            shards = %ranges(&shards),
             took_ms = started.elapsed().as_millis() as u64,
             "shards handed back"
         );
@@ -427,7 +398,7 @@ impl Fleet {
         if !served.is_empty() {
             tracing::info!(
                 count = served.len(),
-                shards = %ShardList(&served),
+                shards = %ranges(&served),
                 tenants = tenants_loaded,
                 claims = claims_loaded,
                 load_ms,
@@ -703,18 +674,6 @@ mod tests {
                 assert_eq!(a, b);
             }
         }
-    }
-
-    #[test]
-    fn shard_lists_fold_runs() {
-        let list = |shards: &[u32]| ShardList(shards).to_string();
-        assert_eq!(list(&[]), "");
-        assert_eq!(list(&[7]), "7");
-        assert_eq!(
-            list(&[0, 1, 2, 3, 5, 7, 8, u32::MAX]),
-            "0-3,5,7-8,4294967295"
-        );
-        assert_eq!(list(&[u32::MAX - 1, u32::MAX]), "4294967294-4294967295");
     }
 
     #[test]

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use ankusa_bus::kv::{FleetKv, Heartbeat};
+use ankusa_bus::shard::ranges;
 use clap::Args;
 use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -52,29 +53,6 @@ pub struct FleetStatus {
     pub unowned: Vec<u32>,
     /// Shards leased by a node with no live heartbeat (leaving, or stuck).
     pub held_by_unknown: BTreeMap<String, Vec<u32>>,
-}
-
-/// `1-3,7,9-10`: a shard list people can read.
-pub fn ranges(shards: &[u32]) -> String {
-    let mut out: Vec<String> = Vec::new();
-    let mut iter = shards.iter().copied().peekable();
-    while let Some(start) = iter.next() {
-        let mut end = start;
-        while iter.peek() == Some(&(end + 1)) {
-            end += 1;
-            iter.next();
-        }
-        out.push(if start == end {
-            start.to_string()
-        } else {
-            format!("{start}-{end}")
-        });
-    }
-    if out.is_empty() {
-        "-".into()
-    } else {
-        out.join(",")
-    }
 }
 
 /// A bare HTTP/1.0 GET on loopback-style `host:port`, bounded by `timeout`.
@@ -262,12 +240,6 @@ pub async fn status(global: &Global, args: StatusArgs) -> Result<(), CliError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn shard_ranges() {
-        assert_eq!(ranges(&[]), "-");
-        assert_eq!(ranges(&[0, 1, 2, 5, 7, 8]), "0-2,5,7-8");
-    }
 
     #[test]
     fn metrics_are_read() {
