@@ -20,7 +20,7 @@ use ankusa_bus::{
 };
 use ankusa_node::fleet::target_owner;
 use ankusa_tests::requests::{hit, settle};
-use ankusa_tests::{connected_edge, wait_until, NatsServer, NodeProcess, NodeSpec, Signal};
+use ankusa_tests::{connected_edge, wait_until, NatsServer, NetCut, NodeProcess, NodeSpec, Signal};
 use futures::StreamExt;
 
 const SHARDS: u32 = 16;
@@ -1026,7 +1026,9 @@ async fn a_node_cut_off_from_nats_lets_its_lapsed_shards_go_together() {
 /// first on waking is the server's race: here the renewals did in five runs
 /// of eight (the take-over counter says), and only such runs fail
 /// without the take-over; `only_the_process_that_wrote_a_lease_takes_it_over`
-/// checks the take-over itself every time.
+/// checks the take-over itself every time, and
+/// `a_node_takes_over_the_lease_its_unanswered_take_wrote` the same path
+/// end to end without the race.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_takes_back_at_once_the_leases_its_late_writes_renewed() {
     let mut nats = NatsServer::start().await.expect("nats");
@@ -1070,6 +1072,49 @@ async fn a_node_takes_back_at_once_the_leases_its_late_writes_renewed() {
     );
     let store = edge(&nats).await;
     burst(&store, "after-freeze").await;
+}
+
+/// The same take-over, without the server's race: the node's link is
+/// blackholed (the proxy holds its bytes) until its leases lapse and its
+/// first lease take of the round has waited out its bound. On restore the
+/// held bytes reach the server in order: the renewals fail (their leases
+/// expired meanwhile), the take creates the lease, and its ack reaches a
+/// node that stopped waiting for it. The lease is then held under the
+/// node's name by a write it never heard answered; the node takes it over
+/// at once. Without the take-over its shard waits out the lease (2 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_takes_over_the_lease_its_unanswered_take_wrote() {
+    let nats = NatsServer::start().await.expect("nats");
+    let cut = NetCut::start(&[nats.url()]).await.expect("net-cut proxy");
+    let mut node = NodeProcess::start(NodeSpec::fleet("node-a", cut.urls())).expect("node starts");
+    node.wait_ready(Duration::from_secs(20))
+        .await
+        .expect("node ready");
+    cut.blackhole();
+    node.process()
+        .wait_for_log("cannot take lease", Duration::from_secs(15))
+        .await
+        .unwrap_or_else(|e| panic!("{e}; log tail:\n{}", node.log_tail(20)));
+    assert_eq!(node.metric("ankusa_shards_owned").await, Some(0.0));
+    cut.restore().await.expect("restore the link");
+    let restored = Instant::now();
+    let back = wait_until(Duration::from_secs(10), || async {
+        node.metric("ankusa_shards_owned").await == Some(16.0)
+    })
+    .await;
+    let took = restored.elapsed();
+    let adopted = node.metric("ankusa_leases_adopted_total").await;
+    println!("served 16 shards again {took:?} after the restore, {adopted:?} leases taken over");
+    assert!(
+        back.is_ok(),
+        "not serving again; log tail:\n{}",
+        node.log_tail(20)
+    );
+    assert!(
+        adopted.unwrap_or(0.0) >= 1.0 && took < Duration::from_millis(1_500),
+        "{took:?} to serve again, {adopted:?} leases taken over; log tail:\n{}",
+        node.log_tail(20)
+    );
 }
 
 /// 400 hits at once, over every shard; each must be answered `Ok`.
