@@ -1050,19 +1050,7 @@ async fn a_node_takes_back_at_once_the_leases_its_late_writes_renewed() {
         node.log_tail(20)
     );
     nats.resume().expect("SIGCONT nats-server");
-    let resumed = Instant::now();
-    let back = wait_until(Duration::from_secs(10), || async {
-        node.metric("ankusa_shards_owned").await == Some(16.0)
-    })
-    .await;
-    let took = resumed.elapsed();
-    let adopted = node.metric("ankusa_leases_adopted_total").await;
-    println!("served 16 shards again {took:?} after SIGCONT, {adopted:?} leases taken over");
-    assert!(
-        back.is_ok(),
-        "not serving again; log tail:\n{}",
-        node.log_tail(20)
-    );
+    let (took, adopted) = served_again(&node, "SIGCONT").await;
     // Waiting the renewed leases out cannot take less than their TTL (2 s)
     // from the moment the server woke and stored them.
     assert!(
@@ -1097,24 +1085,32 @@ async fn a_node_takes_over_the_lease_its_unanswered_take_wrote() {
         .unwrap_or_else(|e| panic!("{e}; log tail:\n{}", node.log_tail(20)));
     assert_eq!(node.metric("ankusa_shards_owned").await, Some(0.0));
     cut.restore().await.expect("restore the link");
-    let restored = Instant::now();
-    let back = wait_until(Duration::from_secs(10), || async {
-        node.metric("ankusa_shards_owned").await == Some(16.0)
-    })
-    .await;
-    let took = restored.elapsed();
-    let adopted = node.metric("ankusa_leases_adopted_total").await;
-    println!("served 16 shards again {took:?} after the restore, {adopted:?} leases taken over");
-    assert!(
-        back.is_ok(),
-        "not serving again; log tail:\n{}",
-        node.log_tail(20)
-    );
+    let (took, adopted) = served_again(&node, "the restore").await;
     assert!(
         adopted.unwrap_or(0.0) >= 1.0 && took < Duration::from_millis(1_500),
         "{took:?} to serve again, {adopted:?} leases taken over; log tail:\n{}",
         node.log_tail(20)
     );
+}
+
+/// Waits (10 s at most) until `node` serves all its shards again, from now,
+/// the moment of `what`; returns how long that took and how many leases it
+/// took over.
+async fn served_again(node: &NodeProcess, what: &str) -> (Duration, Option<f64>) {
+    let since = Instant::now();
+    let back = wait_until(Duration::from_secs(10), || async {
+        node.metric("ankusa_shards_owned").await == Some(f64::from(SHARDS))
+    })
+    .await;
+    let took = since.elapsed();
+    let adopted = node.metric("ankusa_leases_adopted_total").await;
+    println!("served {SHARDS} shards again {took:?} after {what}, {adopted:?} leases taken over");
+    assert!(
+        back.is_ok(),
+        "not serving again; log tail:\n{}",
+        node.log_tail(20)
+    );
+    (took, adopted)
 }
 
 /// 400 hits at once, over every shard; each must be answered `Ok`.
