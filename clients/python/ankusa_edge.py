@@ -25,12 +25,12 @@ What it implements:
   resend or degrade) and ``FleetError`` (the fleet could not answer: degrade).
 - ``EdgeClient``: ``hit``, ``settle`` and ``reset`` over a connected nats-py
   client, each within a hard budget, resending on NATS "no responders" as §9
-  says.
+  says; ``batch`` sends many of them as one ``batch`` message per shard (§5.5).
 
-Not implemented: batches and node subjects (§5.5; optional, the shard subjects
-alone are a complete protocol) and the local degrade of §9 (an edge's own
-buckets and dedupe index), which is the caller's: a ``FleetError`` is the
-signal to degrade.
+Not implemented: node subjects (§5.5; optional, the shard subjects alone are
+a complete protocol) and the local degrade of §9 (an edge's own buckets and
+dedupe index), which is the caller's: a ``FleetError`` is the signal to
+degrade.
 
 Run as a program, it checks itself against the spec (``vectors``), prints
 shards (``shard``) and runs a scripted sequence against a live fleet
@@ -45,7 +45,7 @@ import json
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -56,11 +56,13 @@ __all__ = [
     "BYTES",
     "COMMIT",
     "HOOKS",
+    "MAX_BATCH",
     "MAX_REQUEST_BYTES",
     "MAX_SHARDS",
     "PROTOCOL_VERSION",
     "RELEASE",
     "AlreadyCommitted",
+    "Batch",
     "Charge",
     "Claim",
     "Disconnected",
@@ -100,6 +102,8 @@ __all__ = [
 PROTOCOL_VERSION = 1
 """The one protocol version this client speaks (§4)."""
 MAX_REQUEST_BYTES = 65_536
+# Most items in one batch (§5.5).
+MAX_BATCH = 256
 """Largest request payload a node takes (§8)."""
 MAX_SHARDS = 4096
 """Most shards an instance may have (§1)."""
@@ -215,6 +219,14 @@ class Reset:
 Op = Hit | Settle | Reset
 
 
+@dataclass(frozen=True)
+class Batch:
+    """Several requests for one shard's tenants, each with its own budget
+    (§5.5): ``items`` are ``(op, timeout_ms)`` pairs, at most ``MAX_BATCH``."""
+
+    items: Sequence[tuple[Op, int]]
+
+
 def _charge_record(c: Charge, compact: bool) -> Any:
     if compact:
         return [c.kind, c.tenant, c.increment_us, c.capacity_us]
@@ -259,7 +271,17 @@ def _op_record(op: Op, compact: bool) -> dict:
     raise TypeError(f"not a request operation: {op!r}")
 
 
-def encode_request(op: Op, timeout_ms: int, *, compact: bool = False) -> bytes:
+def _request_record(op: Op | Batch, timeout_ms: int, compact: bool) -> Any:
+    if isinstance(op, Batch):
+        ops: dict = {"batch": [_request_record(o, t, compact) for o, t in op.items]}
+    else:
+        ops = _op_record(op, compact)
+    if compact:
+        return [PROTOCOL_VERSION, timeout_ms, ops]
+    return {"v": PROTOCOL_VERSION, "timeout_ms": timeout_ms, "op": ops}
+
+
+def encode_request(op: Op | Batch, timeout_ms: int, *, compact: bool = False) -> bytes:
     """The request frame for ``op`` with budget ``timeout_ms`` (§3, §5.1).
 
     The map form (keys in the order of the spec's tables) unless ``compact``,
@@ -267,15 +289,18 @@ def encode_request(op: Op, timeout_ms: int, *, compact: bool = False) -> bytes:
     shortest MessagePack form, strings are ``str``. Raises ``MalformedRequest``
     for a value the wire cannot carry (see ``_check_shape``).
     """
-    _check_shape(op)
     _check_u64("timeout_ms", timeout_ms)
-    ops = _op_record(op, compact)
-    frame: Any = (
-        [PROTOCOL_VERSION, timeout_ms, ops]
-        if compact
-        else {"v": PROTOCOL_VERSION, "timeout_ms": timeout_ms, "op": ops}
-    )
-    return msgpack.packb(frame, use_bin_type=True)
+    if isinstance(op, Batch):
+        if not isinstance(op.items, (list, tuple)) or len(op.items) > MAX_BATCH:
+            raise MalformedRequest(f"a batch is a list of at most {MAX_BATCH} (op, timeout_ms)")
+        for item in op.items:
+            if not isinstance(item, tuple) or len(item) != 2 or isinstance(item[0], Batch):
+                raise MalformedRequest("a batch item is an (op, timeout_ms) pair, not a batch")
+            _check_shape(item[0])
+            _check_u64("timeout_ms", item[1])
+    else:
+        _check_shape(op)
+    return msgpack.packb(_request_record(op, timeout_ms, compact), use_bin_type=True)
 
 
 def _check_u64(field: str, value: Any) -> None:
@@ -801,6 +826,27 @@ def _error_for(error: ErrorReply) -> StoreError:
 # ---------------------------------------------------------------------------
 
 
+_OUTCOMES = {
+    "hit": (HitOk, Duplicate, Pending, RateLimited),
+    "settle": (SettleOk, NotFound, NotOwner, AlreadyCommitted),
+    "reset": (ResetDone,),
+}
+
+
+def _name(op: Op) -> str:
+    return "hit" if isinstance(op, Hit) else "settle" if isinstance(op, Settle) else "reset"
+
+
+def _outcome(body: Any, name: str) -> Any:
+    """A reply body to a ``name`` request as its outcome; raises the
+    ``StoreError`` of an error reply, or ``UndecodableReply``."""
+    if isinstance(body, ErrorReply):
+        raise _error_for(body)
+    if not isinstance(body, _OUTCOMES[name]):
+        raise UndecodableReply(f"a reply to a {name} that is not a {name} outcome: {body!r}")
+    return body
+
+
 class EdgeClient:
     """Calls an ankusa-fleet store over ``nc``, a connected ``nats.aio.client.Client``.
 
@@ -843,17 +889,77 @@ class EdgeClient:
 
     async def _call(self, op: Op, name: str, timeout_ms: int) -> Any:
         reply = await self.request(op, timeout_ms=timeout_ms)
-        body = reply.body
-        if isinstance(body, ErrorReply):
-            raise _error_for(body)
-        expected = {
-            "hit": (HitOk, Duplicate, Pending, RateLimited),
-            "settle": (SettleOk, NotFound, NotOwner, AlreadyCommitted),
-            "reset": (ResetDone,),
-        }[name]
-        if not isinstance(body, expected):
-            raise UndecodableReply(f"a reply to a {name} that is not a {name} outcome: {body!r}")
-        return body
+        return _outcome(reply.body, name)
+
+    async def batch(self, ops: Sequence[Op], *, timeout_ms: int) -> list:
+        """Carries out ``ops`` (hits, settles, resets) in as few messages as
+        §5.5 allows on shard subjects: one ``batch`` per shard, the shards'
+        all at once, within one hard budget. A shard with more than
+        ``MAX_BATCH`` items, or more than one message holds, gets several
+        batches, sent one after another so that its tenants' items are applied
+        in the order given.
+
+        Returns, in the order of ``ops``, each one's outcome or the
+        ``StoreError`` it met, returned rather than raised: one item's error
+        does not touch the others. An op this client refuses (its checks of
+        §8) is not sent."""
+        if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int):
+            raise TypeError("timeout_ms must be an int")
+        deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
+        results: list = [None] * len(ops)
+        by_subject: dict[str, list[int]] = {}
+        for i, op in enumerate(ops):
+            try:
+                self._check(op)
+            except RequestError as e:
+                results[i] = e
+                continue
+            by_subject.setdefault(self.subject(op.tenant), []).append(i)
+
+        async def send(subject: str, indexes: list) -> None:
+            def encode(budget_ms: int) -> bytes:
+                items = tuple((ops[i], budget_ms) for i in indexes)
+                return encode_request(Batch(items), budget_ms, compact=self._compact)
+
+            try:
+                reply = await self._send(subject, encode, deadline, timeout_ms)
+            except RequestTooLarge:
+                if len(indexes) == 1:
+                    raise
+                half = len(indexes) // 2
+                await send_or_record(subject, indexes[:half])
+                await send_or_record(subject, indexes[half:])
+                return
+            body = reply.body
+            if isinstance(body, ErrorReply):
+                # An error to the batch as a whole: no item was carried out.
+                error: StoreError = _error_for(body)
+            elif not isinstance(body, list) or len(body) != len(indexes):
+                error = UndecodableReply(f"not a batch reply of {len(indexes)} items: {body!r}")
+            else:
+                for i, item in zip(indexes, body):
+                    try:
+                        results[i] = _outcome(item.body, _name(ops[i]))
+                    except StoreError as e:
+                        results[i] = e
+                return
+            for i in indexes:
+                results[i] = error
+
+        async def send_or_record(subject: str, indexes: list) -> None:
+            try:
+                await send(subject, indexes)
+            except StoreError as e:
+                for i in indexes:
+                    if results[i] is None:
+                        results[i] = e
+
+        async def send_all(subject: str, indexes: list) -> None:
+            for k in range(0, len(indexes), MAX_BATCH):
+                await send_or_record(subject, indexes[k : k + MAX_BATCH])
+
+        await asyncio.gather(*(send_all(s, indexes) for s, indexes in by_subject.items()))
+        return results
 
     async def request(self, op: Op, *, timeout_ms: int) -> Reply:
         """Sends one request and returns the node's reply as it came, error
@@ -862,13 +968,26 @@ class EdgeClient:
         ``FleetError`` when no readable reply came in time."""
         if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int):
             raise TypeError("timeout_ms must be an int")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_ms / 1000
+        deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
+        self._check(op)
+
+        def encode(budget_ms: int) -> bytes:
+            return encode_request(op, budget_ms, compact=self._compact)
+
+        return await self._send(self.subject(op.tenant), encode, deadline, timeout_ms)
+
+    def _check(self, op: Op) -> None:
         if self._validate:
             validate(op)
         else:
             _check_shape(op)
-        subject = self.subject(op.tenant)
+
+    async def _send(
+        self, subject: str, encode: Callable[[int], bytes], deadline: float, timeout_ms: int
+    ) -> Reply:
+        """Sends ``encode(budget left)`` to ``subject`` until ``deadline``,
+        resending on no responders (§9)."""
+        loop = asyncio.get_running_loop()
         pause = _FIRST_PAUSE_S
         attempts = 0
         while True:
@@ -877,7 +996,7 @@ class EdgeClient:
             if budget_ms <= 0:
                 raise Timeout(f"no reply within {timeout_ms} ms")
             # Each send carries the budget left now (§5.1).
-            payload = encode_request(op, budget_ms, compact=self._compact)
+            payload = encode(budget_ms)
             if len(payload) > MAX_REQUEST_BYTES:
                 raise RequestTooLarge(
                     f"the request is {len(payload)} bytes, over the limit of {MAX_REQUEST_BYTES}"
@@ -969,7 +1088,7 @@ def _shard_rows(text: str) -> tuple:
 
 def _request_from_view(view: Any) -> tuple:
     """A request's JSON view (§10) as (op, timeout_ms, compact). Raises
-    NotImplementedError for a batch and ValueError for anything else not v1."""
+    ValueError for anything not v1."""
     compact = isinstance(view, list)
     v, timeout_ms, ops = view if compact else (view["v"], view["timeout_ms"], view["op"])
     if v != PROTOCOL_VERSION or not isinstance(ops, dict) or len(ops) != 1:
@@ -983,7 +1102,13 @@ def _request_from_view(view: Any) -> tuple:
         return None if value is None else record(Claim, value)
 
     if name == "batch":
-        raise NotImplementedError("batches are not implemented")
+        items = []
+        for item in rec:
+            op, item_timeout_ms, item_compact = _request_from_view(item)
+            if item_compact != compact:
+                raise ValueError(f"a batch mixing the forms: {view!r}")
+            items.append((op, item_timeout_ms))
+        return Batch(tuple(items)), timeout_ms, compact
     if name == "hit":
         charges, c = rec if compact else (rec["charges"], rec.get("claim"))
         return Hit(tuple(record(Charge, x) for x in charges), claim(c)), timeout_ms, compact
@@ -1040,11 +1165,7 @@ def cmd_vectors(path: str) -> int:
             report(False, name, "the json view is not what the hex says")
             continue
         if name.startswith("request-"):
-            try:
-                op, timeout_ms, compact = _request_from_view(view)
-            except NotImplementedError as e:
-                print(f"skip {name}: {e} (json view matches the hex)")
-                continue
+            op, timeout_ms, compact = _request_from_view(view)
             mine = encode_request(op, timeout_ms, compact=compact)
             form = "compact" if compact else "map"
             if mine == raw:
@@ -1211,6 +1332,32 @@ async def _scenario(nc: Any, args: argparse.Namespace) -> None:
     unchecked = EdgeClient(nc, args.instance, args.shards, validate=False, compact=args.compact)
     await run("too-long-tenant-node", unchecked.hit(long_hit, timeout_ms=budget))
 
+    # Several calls at once, one batch message per shard (§5.5): a fresh
+    # claim, a commit made before, a reset, one this client refuses, and a hit
+    # for a tenant of another shard. Each answered in its own slot.
+    if args.shards > 1:
+        k3, h5 = f"{p}-evt-3", f"{p}-h5"
+        home = shard_of(tenant, args.shards)
+        elsewhere = next(
+            f"{p}-b{i}" for i in range(10_000) if shard_of(f"{p}-b{i}", args.shards) != home
+        )
+        batch = [
+            Hit(tuple(roomy), claim(k3, h5)),
+            Settle(claim(k1, h1), COMMIT),
+            Reset(tight_tenant),
+            Hit(tuple(long_hit)),
+            Hit((Charge(HOOKS, elsewhere, 1_000, 1_000_000),)),
+        ]
+        results = await edge.batch(batch, timeout_ms=budget)
+        emit(
+            "batch",
+            key=k3,
+            hook_id=h5,
+            results=[
+                _error_view(r) if isinstance(r, StoreError) else outcome_view(r) for r in results
+            ],
+        )
+
     # This client's checks give the reason a node gives, rule by rule of §8.
     ok_claim = claim(f"{p}-evt-v", f"{p}-hv")
     t = tenant
@@ -1300,6 +1447,57 @@ async def _scenario(nc: Any, args: argparse.Namespace) -> None:
     # Compact requests are arrays: [v, timeout_ms, op].
     sent_budgets = [m[1] if isinstance(m, list) else m["timeout_ms"] for m in seen]
     emit("no-responders-then-answer-sent", budgets_ms=sent_budgets)
+
+    # What a batch is on the wire: three calls for one shard leave as one
+    # message of three items, and each item's answer (here a stand-in's) is
+    # given back in its own slot.
+    wire = EdgeClient(nc, f"{args.instance}-wire"[:64], args.shards, compact=args.compact)
+    messages: list = []
+    answers = [
+        {"v": 1, "body": {"hit": {"result": "ok"}}},
+        {"v": 1, "body": {"hit": {"result": "duplicate", "hook_id": "stand-in-h"}}},
+        {"v": 1, "body": {"error": {"code": "unavailable", "message": "stand-in"}}},
+    ]
+
+    async def answer_batch(msg: Any) -> None:
+        request = msgpack.unpackb(msg.data, raw=False)
+        messages.append((request, len(msg.data)))
+        op = request[2] if isinstance(request, list) else request["op"]
+        items = len(op["batch"])
+        body = answers if items == len(answers) else [answers[0]] * items
+        reply = {"v": 1, "body": {"batch": body}}
+        await nc.publish(msg.reply, msgpack.packb(reply, use_bin_type=True))
+
+    stand_in = await nc.subscribe(wire.subject(tenant), cb=answer_batch)
+    await nc.flush()
+    three = [Hit((Charge(HOOKS, tenant, 1, 1),), claim(f"{p}-w{i}", h1)) for i in range(3)]
+    results = await wire.batch(three, timeout_ms=budget)
+
+    def sent() -> dict:
+        # Compact requests are arrays: [v, timeout_ms, op].
+        ops = [m[2] if isinstance(m, list) else m["op"] for m, _ in messages]
+        return {
+            "messages": len(messages),
+            "items": [len(op["batch"]) if "batch" in op else 0 for op in ops],
+            "bytes": [size for _, size in messages],
+        }
+
+    emit(
+        "batch-wire",
+        **sent(),
+        results=[_error_view(r) if isinstance(r, StoreError) else outcome_view(r) for r in results],
+    )
+    # More than one message holds (70 keys of 1,000 bytes): split, every
+    # part within MAX_REQUEST_BYTES, every item answered.
+    messages.clear()
+    big = [Hit((), claim(f"{p}-{i:03}-" + "k" * 990, h1)) for i in range(70)]
+    results = await wire.batch(big, timeout_ms=budget)
+    await stand_in.unsubscribe()
+    emit(
+        "batch-split",
+        **sent(),
+        results=[_error_view(r) if isinstance(r, StoreError) else outcome_view(r) for r in results],
+    )
 
     # A subscriber that never answers: Timeout at the budget.
     silent = EdgeClient(nc, f"{args.instance}-silent"[:64], args.shards, compact=args.compact)
