@@ -921,42 +921,38 @@ class EdgeClient:
                 items = tuple((ops[i], budget_ms) for i in indexes)
                 return encode_request(Batch(items), budget_ms, compact=self._compact)
 
+            error: StoreError
             try:
                 reply = await self._send(subject, encode, deadline, timeout_ms)
-            except RequestTooLarge:
-                if len(indexes) == 1:
-                    raise
-                half = len(indexes) // 2
-                await send_or_record(subject, indexes[:half])
-                await send_or_record(subject, indexes[half:])
-                return
-            body = reply.body
-            if isinstance(body, ErrorReply):
-                # An error to the batch as a whole: no item was carried out.
-                error: StoreError = _error_for(body)
-            elif not isinstance(body, list) or len(body) != len(indexes):
-                error = UndecodableReply(f"not a batch reply of {len(indexes)} items: {body!r}")
+            except RequestTooLarge as e:
+                if len(indexes) > 1:
+                    half = len(indexes) // 2
+                    await send(subject, indexes[:half])
+                    await send(subject, indexes[half:])
+                    return
+                error = e
+            except StoreError as e:
+                error = e
             else:
-                for i, item in zip(indexes, body):
-                    try:
-                        results[i] = _outcome(item.body, _name(ops[i]))
-                    except StoreError as e:
-                        results[i] = e
-                return
+                body = reply.body
+                if isinstance(body, ErrorReply):
+                    # An error to the batch as a whole: no item was carried out.
+                    error = _error_for(body)
+                elif not isinstance(body, list) or len(body) != len(indexes):
+                    error = UndecodableReply(f"not a batch reply of {len(indexes)} items: {body!r}")
+                else:
+                    for i, item in zip(indexes, body):
+                        try:
+                            results[i] = _outcome(item.body, _name(ops[i]))
+                        except StoreError as e:
+                            results[i] = e
+                    return
             for i in indexes:
                 results[i] = error
 
-        async def send_or_record(subject: str, indexes: list) -> None:
-            try:
-                await send(subject, indexes)
-            except StoreError as e:
-                for i in indexes:
-                    if results[i] is None:
-                        results[i] = e
-
         async def send_all(subject: str, indexes: list) -> None:
             for k in range(0, len(indexes), MAX_BATCH):
-                await send_or_record(subject, indexes[k : k + MAX_BATCH])
+                await send(subject, indexes[k : k + MAX_BATCH])
 
         await asyncio.gather(*(send_all(s, indexes) for s, indexes in by_subject.items()))
         return results
@@ -1271,6 +1267,10 @@ async def _scenario(nc: Any, args: argparse.Namespace) -> None:
     def emit(step: str, **fields: Any) -> None:
         print(json.dumps({"step": step, **fields}), flush=True)
 
+    def views(results: list) -> list:
+        """A batch's results as JSON: each an outcome's view or an error's."""
+        return [_error_view(r) if isinstance(r, StoreError) else outcome_view(r) for r in results]
+
     async def run(step: str, call, **context: Any) -> Any:
         start = time.monotonic()
         try:
@@ -1353,9 +1353,7 @@ async def _scenario(nc: Any, args: argparse.Namespace) -> None:
             "batch",
             key=k3,
             hook_id=h5,
-            results=[
-                _error_view(r) if isinstance(r, StoreError) else outcome_view(r) for r in results
-            ],
+            results=views(results),
         )
 
     # This client's checks give the reason a node gives, rule by rule of §8.
@@ -1485,7 +1483,7 @@ async def _scenario(nc: Any, args: argparse.Namespace) -> None:
     emit(
         "batch-wire",
         **sent(),
-        results=[_error_view(r) if isinstance(r, StoreError) else outcome_view(r) for r in results],
+        results=views(results),
     )
     # More than one message holds (70 keys of 1,000 bytes): split, every
     # part within MAX_REQUEST_BYTES, every item answered.
@@ -1496,7 +1494,7 @@ async def _scenario(nc: Any, args: argparse.Namespace) -> None:
     emit(
         "batch-split",
         **sent(),
-        results=[_error_view(r) if isinstance(r, StoreError) else outcome_view(r) for r in results],
+        results=views(results),
     )
 
     # A subscriber that never answers: Timeout at the budget.
