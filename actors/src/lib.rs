@@ -20,7 +20,7 @@ pub use actor::{
     TenantRequest, SWEEP_STEP_BUCKETS,
 };
 pub use claims::ClaimRecord;
-pub use clock::{Clock, ManualClock, SystemClock};
+pub use clock::{AnchoredClock, Clock, ManualClock, SystemClock};
 pub use tenant::{
     Applied, BucketRecord, Buckets, Changes, ClaimChange, TenantSnapshot, TenantState,
 };

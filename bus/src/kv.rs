@@ -27,7 +27,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use ankusa_actors::{BucketRecord, Changes, ClaimChange, ClaimRecord, TenantSnapshot};
+use ankusa_actors::{
+    BucketRecord, Changes, ClaimChange, ClaimRecord, Clock, SystemClock, TenantSnapshot,
+};
 use async_nats::header::{self, HeaderMap, HeaderValue};
 use async_nats::jetstream::{self, consumer, kv, stream};
 use bytes::Bytes;
@@ -289,6 +291,9 @@ pub struct FleetKv {
     nodes: kv::Store,
     /// Random and never 0; written into every lease taken or renewed here.
     incarnation: u64,
+    /// The time claims and buckets are kept by: their expiries, and the TTLs
+    /// of the messages that hold them, are read against it.
+    clock: Arc<dyn Clock>,
 }
 
 impl FleetKv {
@@ -350,7 +355,19 @@ impl FleetKv {
             leases,
             nodes,
             incarnation: rand::random::<u64>() | 1,
+            clock: Arc::new(SystemClock),
         })
+    }
+
+    /// Keeps time by `clock` instead of the system's: a node's own, so that
+    /// what it stores and what its actors decide agree.
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    fn now_us(&self) -> u64 {
+        self.clock.now_us()
     }
 
     /// Each of the instance's buckets with its replica count, as JetStream
@@ -381,7 +398,7 @@ impl FleetKv {
     fn lease_value(&self, node: &str) -> Bytes {
         encode(&LeaseValue {
             node: node.to_string(),
-            since_ms: now_unix_ms(),
+            since_ms: self.now_us() / 1000,
             incarnation: self.incarnation,
         })
     }
@@ -509,15 +526,34 @@ impl FleetKv {
         Ok(holders)
     }
 
-    /// Says `node` is alive for `ttl`.
-    pub async fn heartbeat(&self, beat: &Heartbeat, ttl: Duration) -> Result<(), KvError> {
+    /// Says `node` is alive for `ttl`; returns the heartbeat's revision.
+    pub async fn heartbeat(&self, beat: &Heartbeat, ttl: Duration) -> Result<u64, KvError> {
         let write = Write::put(
             &self.nodes_bucket,
             &beat.node,
             encode(beat),
             ttl.as_secs().max(1),
         );
-        self.publish(write).await.map(|_| ()).map_err(request_err)
+        self.publish(write).await.map_err(request_err)
+    }
+
+    /// When the server stored revision `revision` of `node`'s heartbeat, in
+    /// unix µs by the server's clock (the stream leader's, in a cluster). Read
+    /// through this `FleetKv`'s inbox, like its writes, so that a read never
+    /// answered leaves nothing behind.
+    pub async fn heartbeat_stored_at(&self, node: &str, revision: u64) -> Result<u64, KvError> {
+        let bucket = &self.nodes_bucket;
+        let subject = format!("$JS.API.DIRECT.GET.KV_{bucket}.$KV.{bucket}.{node}");
+        let waiting = self
+            .writes
+            .request(subject.into(), None, Bytes::new())
+            .await
+            .map_err(request_err)?;
+        let reply = tokio::time::timeout(KV_WRITE_WAIT, waiting.reply())
+            .await
+            .map_err(|_| KvError::Request(format!("no answer within {KV_WRITE_WAIT:?}")))?
+            .map_err(request_err)?;
+        stored_at(&reply, revision)
     }
 
     /// Says `node` has left.
@@ -622,9 +658,9 @@ impl FleetKv {
         let mut reader = info.name.clone();
         if info.num_pending == 0 {
             let _ = stream.delete_consumer(&reader).await;
-            return Ok(state.finish(now_unix_us()));
+            return Ok(state.finish(self.now_us()));
         }
-        let now_us = now_unix_us();
+        let now_us = self.now_us();
         let mut messages = load_step(consumer.messages()).await?;
         while let Some(message) = within(LOAD_IDLE, messages.next().map(Ok::<_, KvError>)).await? {
             let message = message.map_err(request_err)?;
@@ -900,7 +936,7 @@ impl KvWriter {
             dirty: Mutex::new(HashMap::new()),
             node_log: node_log.clone(),
         });
-        let logs = ClaimLogs::new(kv.state_bucket.clone());
+        let logs = ClaimLogs::new(kv.state_bucket.clone(), kv.clock.clone());
         tokio::spawn(commit_loop(kv.writes.clone(), logs, node_log, rx));
         let flusher = Arc::downgrade(&writer);
         tokio::spawn(async move {
@@ -986,7 +1022,7 @@ impl KvWriter {
             return;
         }
         metrics::histogram!("ankusa_kv_flush_buckets").record(batch.len() as f64);
-        let now_us = now_unix_us();
+        let now_us = self.kv.now_us();
         let writes = batch.iter().map(|((shard, tenant), tats)| {
             let buckets: Vec<BucketRecord> = ankusa_actors::Kind::ALL
                 .iter()
@@ -1048,6 +1084,8 @@ enum LogId {
 /// whether a message is in flight.
 struct ClaimLogs {
     bucket: String,
+    /// The clock the changes' `keep_until_us` were set by.
+    clock: Arc<dyn Clock>,
     /// Makes this writer's log keys unique among every writer, past and present.
     writer: String,
     seq: u64,
@@ -1071,7 +1109,7 @@ struct ClaimLog {
 }
 
 impl ClaimLogs {
-    fn new(bucket: String) -> Self {
+    fn new(bucket: String, clock: Arc<dyn Clock>) -> Self {
         // Two log messages under one key would be one too many: the bucket keeps
         // only the last. Process, start time and a per-process count keep every
         // writer's keys apart.
@@ -1085,6 +1123,7 @@ impl ClaimLogs {
         };
         Self {
             bucket,
+            clock,
             writer,
             seq: 0,
             logs: HashMap::new(),
@@ -1133,7 +1172,7 @@ impl ClaimLogs {
             &self.bucket,
             &key,
             payload,
-            ttl_secs_until(keep_until, now_unix_us()),
+            ttl_secs_until(keep_until, self.clock.now_us()),
         );
         Some((write, batch.into_iter().map(|(_, done)| done).collect()))
     }
@@ -1306,6 +1345,36 @@ async fn acked(
     }
 }
 
+/// When the message of a direct get's `reply` was stored, in unix µs, if it
+/// is revision `revision`: a later one (another node under the same name)
+/// was stored at another time.
+fn stored_at(reply: &async_nats::Message, revision: u64) -> Result<u64, KvError> {
+    let header = |name: &str| {
+        reply
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(name))
+            .map(|v| v.as_str().to_owned())
+    };
+    let unreadable = |what: String| KvError::Request(format!("direct get: {what}"));
+    if let Some(status) = reply.status.filter(|s| !s.is_success()) {
+        return Err(unreadable(format!("status {status}")));
+    }
+    let sequence = header("Nats-Sequence")
+        .and_then(|s| s.parse::<u64>().ok())
+        .ok_or_else(|| unreadable("no Nats-Sequence".into()))?;
+    if sequence != revision {
+        return Err(unreadable(format!(
+            "revision {sequence} found, {revision} written"
+        )));
+    }
+    let stamp = header("Nats-Time-Stamp").ok_or_else(|| unreadable("no Nats-Time-Stamp".into()))?;
+    let at = time::OffsetDateTime::parse(&stamp, &time::format_description::well_known::Rfc3339)
+        .map_err(|err| unreadable(format!("time stamp {stamp:?}: {err}")))?;
+    u64::try_from(at.unix_timestamp_nanos() / 1000)
+        .map_err(|_| unreadable(format!("time stamp {stamp:?} before 1970")))
+}
+
 /// What JetStream answers a publish: the stored message's sequence, or why
 /// it was not stored.
 #[derive(Deserialize)]
@@ -1347,6 +1416,46 @@ fn read_ack(payload: &[u8]) -> Result<u64, WriteError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn direct_get_reply(headers: &[(&str, &str)], status: Option<u16>) -> async_nats::Message {
+        let mut map = HeaderMap::new();
+        for (name, value) in headers {
+            map.insert(*name, *value);
+        }
+        async_nats::Message {
+            subject: "_INBOX.x.1".into(),
+            reply: None,
+            payload: Bytes::new(),
+            headers: Some(map),
+            status: status.and_then(|s| async_nats::StatusCode::from_u16(s).ok()),
+            description: None,
+            length: 0,
+        }
+    }
+
+    #[test]
+    fn a_direct_gets_time_stamp_is_read_for_its_own_revision_only() {
+        let stamped = [
+            ("Nats-Sequence", "42"),
+            ("Nats-Time-Stamp", "2026-12-06T02:03:26.123456789Z"),
+        ];
+        let at = stored_at(&direct_get_reply(&stamped, None), 42).expect("stamped");
+        assert_eq!(at, 1_796_522_606_123_456);
+        let other = stored_at(&direct_get_reply(&stamped, None), 41).unwrap_err();
+        assert!(
+            other.to_string().contains("revision 42 found, 41 written"),
+            "{other}"
+        );
+        let missing = direct_get_reply(&[("Nats-Sequence", "42")], None);
+        assert!(stored_at(&missing, 42).is_err());
+        let garbled = direct_get_reply(
+            &[("Nats-Sequence", "42"), ("Nats-Time-Stamp", "noon")],
+            None,
+        );
+        assert!(stored_at(&garbled, 42).is_err());
+        let not_found = direct_get_reply(&[], Some(404));
+        assert!(stored_at(&not_found, 42).is_err());
+    }
 
     /// Nodes of this release and of earlier ones read each other's leases: an
     /// earlier lease has no incarnation (0, which no `FleetKv` writes), and
@@ -1493,7 +1602,7 @@ mod tests {
 
     #[test]
     fn a_log_sends_its_next_message_while_one_awaits_its_ack_but_no_more() {
-        let mut logs = ClaimLogs::new("state".into());
+        let mut logs = ClaimLogs::new("state".into(), Arc::new(SystemClock));
         let queue = |logs: &mut ClaimLogs, n: usize| {
             for _ in 0..n {
                 let change = EncodedChange {

@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ankusa_actors::actor::{ShardConfig, TenantFailure};
+use ankusa_actors::AnchoredClock;
 use ankusa_bus::claimlog;
 use ankusa_bus::kv::{within, FleetKv, Heartbeat, KvWriter, LeaseError};
 use ankusa_bus::persist::Persistence;
@@ -33,6 +34,7 @@ use crate::health::Health;
 use crate::host::ShardHost;
 use crate::membership::Membership;
 use crate::run::{export_stats, shard_config, SHARD_TICK, STATS_EVERY};
+use crate::time::{Reading, TimeKeeper};
 
 /// Why fleet mode stopped.
 #[derive(Debug, thiserror::Error)]
@@ -99,6 +101,7 @@ struct Fleet {
     started_ms: u64,
     /// When the held leases were last renewed.
     last_renew: Instant,
+    time: TimeKeeper,
 }
 
 /// Pause between attempts to take a shard that is still held elsewhere.
@@ -128,9 +131,25 @@ impl Fleet {
             claim_log_format: claimlog::NODE_LOG_FORMAT,
         };
         let bound = self.config.lease_ttl();
+        let sent_us = self.time.now_us();
         let beat = within(bound, self.kv.heartbeat(&beat, self.config.lease_ttl())).await;
-        if let Err(err) = &beat {
-            tracing::warn!(error = %err, "heartbeat failed");
+        match &beat {
+            Ok(revision) => {
+                let stored = self.kv.heartbeat_stored_at(self.me(), *revision);
+                match within(bound, stored).await {
+                    Ok(server_us) => {
+                        let reading = Reading {
+                            sent_us,
+                            server_us,
+                            read_us: self.time.now_us(),
+                        };
+                        let serving = !self.held.is_empty();
+                        self.time.take(reading, serving, Instant::now());
+                    }
+                    Err(err) => self.time.unreadable(&err),
+                }
+            }
+            Err(err) => tracing::warn!(error = %err, "heartbeat failed"),
         }
         let nodes = match self.membership.live(self.config.lease_ttl()) {
             Some(nodes) => Ok(nodes),
@@ -284,6 +303,11 @@ impl Fleet {
     /// before the next round: some target shard is still held elsewhere, and
     /// KV takes lease writes.
     async fn acquire(&mut self) -> bool {
+        if !self.time.is_set() {
+            // A shard is served by the NATS server's time, which the next
+            // heartbeat reads.
+            return true;
+        }
         let mut waiting = false;
         let mut kv_failing = false;
         let ttl = self.config.lease_ttl();
@@ -533,11 +557,13 @@ pub async fn run(
     client: async_nats::Client,
     health: Arc<Health>,
     shutdown: impl Future<Output = ()>,
+    clock: Arc<AnchoredClock>,
 ) -> Result<(), FleetError> {
     tokio::pin!(shutdown);
     let Some(kv) = open_kv(&config, &client, &mut shutdown).await else {
         return Ok(());
     };
+    let kv = kv.with_clock(clock.clone());
     let writer = KvWriter::start(kv.clone(), Duration::from_millis(config.write_behind_ms));
     let host = ShardHost::new(
         client,
@@ -546,7 +572,7 @@ pub async fn run(
         ShardConfig {
             // KV holds every answered claim: a failed tenant is reloaded with its shard.
             on_tenant_failure: TenantFailure::Escalate,
-            ..shard_config(&config)
+            ..shard_config(&config, clock.clone())
         },
         Persistence::Kv(writer.clone()),
     )
@@ -570,6 +596,7 @@ pub async fn run(
         live: BTreeSet::new(),
         membership,
         health,
+        time: TimeKeeper::new(clock),
     };
     let mut next_round = Instant::now();
     let mut next_stats = Instant::now();

@@ -5,6 +5,7 @@
 //! - [`host`]: the shards served now, each an actor and a responder;
 //! - [`fleet`]: shard ownership through KV leases, balance, handoff;
 //! - [`membership`]: the live nodes, from a watch of their heartbeats;
+//! - [`time`]: the node's clock, kept with the NATS server's;
 //! - [`run`]: the node's life from start to graceful stop;
 //! - [`health`], [`http`]: readiness and the operator endpoints;
 //! - [`cli`]: the `ankusa` command line (hit, settle, reset, status, bench).
@@ -18,3 +19,4 @@ pub mod host;
 pub mod http;
 pub mod membership;
 pub mod run;
+pub mod time;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ankusa_actors::actor::ShardConfig;
-use ankusa_actors::SystemClock;
+use ankusa_actors::{AnchoredClock, Clock};
 use ankusa_bus::persist::Persistence;
 
 use crate::config::{Mode, NodeConfig};
@@ -41,13 +41,34 @@ pub(crate) const SHARD_TICK: Duration = Duration::from_millis(100);
 /// How often failed shards are restarted and the gauges exported.
 pub(crate) const STATS_EVERY: Duration = Duration::from_secs(1);
 
-pub(crate) fn shard_config(config: &NodeConfig) -> ShardConfig {
+pub(crate) fn shard_config(config: &NodeConfig, clock: Arc<dyn Clock>) -> ShardConfig {
     ShardConfig {
         idle_after: Duration::from_millis(config.idle_after_ms),
         sweep_every: Duration::from_millis(config.sweep_every_ms),
         tenant_queue: config.tenant_queue,
-        ..ShardConfig::new(Arc::new(SystemClock))
+        ..ShardConfig::new(clock)
     }
+}
+
+/// Moves a node's clock off its host's by this many milliseconds, to play a
+/// host whose clock is wrong. For tests only: `tests/tests/clock.rs`.
+pub const TEST_CLOCK_SKEW_ENV: &str = "ANKUSA_TEST_CLOCK_SKEW_MS";
+
+/// The node's clock, from this host's wall time; fleet mode sets it to the
+/// NATS server's before serving (see [`crate::time`]).
+fn node_clock() -> AnchoredClock {
+    let clock = AnchoredClock::from_system();
+    let skew_ms = std::env::var(TEST_CLOCK_SKEW_ENV)
+        .ok()
+        .and_then(|v| v.parse::<i64>().ok());
+    if let Some(skew_ms) = skew_ms {
+        tracing::warn!(
+            skew_ms,
+            "{TEST_CLOCK_SKEW_ENV} is set: this node's clock starts off its host's"
+        );
+        clock.step_by(skew_ms.saturating_mul(1000));
+    }
+    clock
 }
 
 /// The runtime a node runs on, as `worker_threads` says. One thread keeps all
@@ -92,9 +113,10 @@ pub async fn run(config: NodeConfig, shutdown: impl Future<Output = ()>) -> Resu
         servers = ?config.nats.servers,
         "node starting"
     );
+    let clock = Arc::new(node_clock());
     match config.mode {
-        Mode::Standalone => standalone(config, client, health, shutdown).await,
-        Mode::Fleet => crate::fleet::run(config, client, health, shutdown)
+        Mode::Standalone => standalone(config, client, health, shutdown, clock).await,
+        Mode::Fleet => crate::fleet::run(config, client, health, shutdown, clock)
             .await
             .map_err(|e| NodeError::Fleet(e.to_string())),
     }
@@ -105,12 +127,13 @@ async fn standalone(
     client: async_nats::Client,
     health: Arc<Health>,
     shutdown: impl Future<Output = ()>,
+    clock: Arc<AnchoredClock>,
 ) -> Result<(), NodeError> {
     let mut host = ShardHost::new(
         client,
         config.subjects(),
         config.shards,
-        shard_config(&config),
+        shard_config(&config, clock),
         Persistence::Memory,
     )
     .with_node_subject(&config.node_id);

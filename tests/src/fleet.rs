@@ -26,6 +26,8 @@ pub struct NodeSpec {
     pub lease_margin_ms: u64,
     pub kv_replicas: usize,
     pub extra_args: Vec<String>,
+    /// Set in the node's environment.
+    pub env: Vec<(String, String)>,
 }
 
 impl NodeSpec {
@@ -41,6 +43,7 @@ impl NodeSpec {
             lease_margin_ms: 500,
             kv_replicas: 1,
             extra_args: Vec::new(),
+            env: Vec::new(),
         }
     }
 
@@ -99,7 +102,8 @@ impl NodeProcess {
             .args(["--http-addr", &format!("127.0.0.1:{http_port}")])
             .args(&spec.extra_args)
             .env("ANKUSA_LOG", "info,ankusa_node=debug")
-            .env_remove("ANKUSA_CONFIG");
+            .env_remove("ANKUSA_CONFIG")
+            .envs(spec.env.iter().map(|(k, v)| (k, v)));
         cmd
     }
 

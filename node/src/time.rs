@@ -1,0 +1,236 @@
+//! The node's time: one [`AnchoredClock`], shared by its actors and its KV
+//! adapter, set to the NATS server's time before the node serves a shard and
+//! only slewed while it does.
+//!
+//! Why: a tenant's bucket TATs and claim expiries are unix times, and they
+//! move with their shard from node to node. Read by each host's own clock, a
+//! tenant taken over by a node whose clock is an hour ahead would find its
+//! buckets full and its pending claims expired (a second delivery of a hook
+//! still in flight let through); an hour behind, its buckets empty for an
+//! hour. A host's clock that steps while the node runs does the same to
+//! every tenant it serves. So every node keeps the time of the one server
+//! that stamps the heartbeats (the nodes bucket's stream leader), as the
+//! contract's Redis store keeps Redis's `TIME`.
+//!
+//! Each heartbeat is read back with the time the server stored it at: that
+//! instant lies between this node's clock before the write and after the
+//! read, unless the clock is off ([`Reading`]). While the node serves no
+//! shard, its clock is stepped to the server's; while it serves, it is only
+//! slewed, by what a reading proves and at most [`MAX_SLEW_PPM`] of the time
+//! since the last reading, so that no answer given is contradicted by a jump.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ankusa_actors::{AnchoredClock, Clock};
+use ankusa_bus::kv::KvError;
+use tokio::time::Instant;
+
+/// The fastest the clock is slewed while the node serves: 500 µs a second,
+/// NTP's own bound, so that a rate limit is off by at most 0.05 % meanwhile.
+pub const MAX_SLEW_PPM: u64 = 500;
+
+/// An offset from the server past which the node warns: beyond it, tenants
+/// that move between nodes see their buckets and claims off by as much.
+pub const WARN_OFFSET: Duration = Duration::from_secs(1);
+
+/// One heartbeat's times: this node's clock before writing it and after
+/// reading it back, and the server's when it stored it (all unix µs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reading {
+    pub sent_us: u64,
+    pub server_us: u64,
+    pub read_us: u64,
+}
+
+impl Reading {
+    /// The server's time minus this node's, taking the server's stamp as
+    /// made halfway between the write and the read: off by at most half
+    /// their span.
+    pub fn offset_us(&self) -> i64 {
+        let midpoint = self.sent_us + self.read_us.saturating_sub(self.sent_us) / 2;
+        signed_difference(self.server_us, midpoint)
+    }
+
+    /// The offset the reading proves: none when the server's stamp lies
+    /// between the write and the read, else how far outside it lies.
+    pub fn proven_us(&self) -> i64 {
+        if self.server_us < self.sent_us {
+            signed_difference(self.server_us, self.sent_us)
+        } else if self.server_us > self.read_us {
+            signed_difference(self.server_us, self.read_us)
+        } else {
+            0
+        }
+    }
+}
+
+fn signed_difference(a: u64, b: u64) -> i64 {
+    let magnitude = i64::try_from(a.abs_diff(b)).unwrap_or(i64::MAX);
+    if a >= b {
+        magnitude
+    } else {
+        -magnitude
+    }
+}
+
+/// Keeps the node's clock with the server's.
+pub struct TimeKeeper {
+    clock: Arc<AnchoredClock>,
+    /// Whether the clock has been set (or the node has given up setting it):
+    /// until then the node takes no shard.
+    set: bool,
+    /// Whether the node has warned that its clock is off.
+    warned: bool,
+    last_reading: Option<Instant>,
+}
+
+impl TimeKeeper {
+    pub fn new(clock: Arc<AnchoredClock>) -> Self {
+        Self {
+            clock,
+            set: false,
+            warned: false,
+            last_reading: None,
+        }
+    }
+
+    pub fn now_us(&self) -> u64 {
+        self.clock.now_us()
+    }
+
+    /// Whether the node may take shards: its clock is the server's, or
+    /// could not be read and stays the host's.
+    pub fn is_set(&self) -> bool {
+        self.set
+    }
+
+    /// Takes in a heartbeat's reading, at `now`; `serving` says whether the
+    /// node answers for any shard (then the clock may only slew).
+    pub fn take(&mut self, reading: Reading, serving: bool, now: Instant) {
+        let offset = reading.offset_us();
+        metrics::gauge!("ankusa_clock_offset_seconds").set(offset as f64 / 1e6);
+        if !serving && (!self.set || reading.proven_us() != 0) {
+            self.clock.step_by(offset);
+            metrics::counter!("ankusa_clock_steps_total").increment(1);
+            if !self.set || offset.unsigned_abs() >= WARN_OFFSET.as_micros() as u64 {
+                tracing::info!(
+                    step_ms = offset / 1000,
+                    within_ms = reading.read_us.saturating_sub(reading.sent_us) / 2000,
+                    "clock set to the NATS server's"
+                );
+            }
+            self.set = true;
+        } else if serving {
+            let since = self
+                .last_reading
+                .map_or(Duration::ZERO, |last| now.saturating_duration_since(last));
+            let limit = since.as_micros() as u64 * MAX_SLEW_PPM / 1_000_000;
+            let made = self.clock.slew_by(reading.proven_us(), limit);
+            if made != 0 {
+                metrics::counter!("ankusa_clock_slewed_microseconds_total")
+                    .increment(made.unsigned_abs());
+            }
+        }
+        self.last_reading = Some(now);
+        let off = offset.unsigned_abs() > WARN_OFFSET.as_micros() as u64;
+        if off && serving && !self.warned {
+            tracing::warn!(
+                offset_ms = offset / 1000,
+                "clock differs from the NATS server's while serving; slewing it at most {MAX_SLEW_PPM} µs a second"
+            );
+            self.warned = true;
+        } else if !off && self.warned {
+            tracing::info!(
+                offset_ms = offset / 1000,
+                "clock agrees with the NATS server's again"
+            );
+            self.warned = false;
+        }
+    }
+
+    /// The heartbeat was written but its time could not be read back: the
+    /// node keeps this host's clock rather than never serving.
+    pub fn unreadable(&mut self, err: &KvError) {
+        if !self.set {
+            tracing::warn!(error = %err, "cannot read the NATS server's time; keeping this host's clock");
+        }
+        self.set = true;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HOUR_US: u64 = 3_600_000_000;
+
+    fn reading(clock: &AnchoredClock, server_us: u64, span_us: u64) -> Reading {
+        let sent_us = clock.now_us();
+        Reading {
+            sent_us,
+            server_us,
+            read_us: sent_us + span_us,
+        }
+    }
+
+    #[test]
+    fn the_offset_is_read_from_the_middle_and_proven_only_outside_the_span() {
+        let r = |server_us| Reading {
+            sent_us: 1_000,
+            server_us,
+            read_us: 3_000,
+        };
+        assert_eq!(r(2_000).offset_us(), 0);
+        assert_eq!(r(2_900).offset_us(), 900);
+        assert_eq!(r(2_900).proven_us(), 0);
+        assert_eq!(r(500).proven_us(), -500);
+        assert_eq!(r(3_700).proven_us(), 700);
+        assert_eq!(r(u64::MAX).offset_us(), i64::MAX);
+    }
+
+    #[test]
+    fn a_node_serving_nothing_is_set_to_the_servers_time() {
+        let server_now = 1_800_000_000_000_000;
+        let clock = Arc::new(AnchoredClock::starting_at(server_now + HOUR_US));
+        let mut keeper = TimeKeeper::new(clock.clone());
+        assert!(!keeper.is_set());
+        keeper.take(reading(&clock, server_now, 1_000), false, Instant::now());
+        assert!(keeper.is_set());
+        let now = clock.now_us();
+        assert!(
+            now.abs_diff(server_now) < 100_000,
+            "{now} against {server_now}"
+        );
+    }
+
+    #[test]
+    fn a_serving_node_is_slewed_by_what_a_reading_proves_at_most_500_ppm() {
+        let server_now = 1_800_000_000_000_000;
+        let clock = Arc::new(AnchoredClock::starting_at(server_now));
+        let mut keeper = TimeKeeper::new(clock.clone());
+        let start = Instant::now();
+        keeper.take(reading(&clock, server_now, 1_000), false, start);
+        // The server's stamp is an hour past the span: the clock is an hour
+        // behind, and a second later it may move 500 µs.
+        let before = clock.now_us();
+        let ahead = reading(&clock, before + HOUR_US, 1_000);
+        keeper.take(ahead, true, start + Duration::from_secs(1));
+        let moved = clock.now_us() - before;
+        assert!((500..100_000).contains(&moved), "moved {moved} µs");
+        // A stamp inside the span proves nothing: no slew.
+        let before = clock.now_us();
+        let inside = reading(&clock, before + 500, 1_000);
+        keeper.take(inside, true, start + Duration::from_secs(2));
+        assert!(clock.now_us() - before < 50_000);
+    }
+
+    #[test]
+    fn a_clock_that_cannot_be_read_stays_the_hosts_and_lets_the_node_serve() {
+        let clock = Arc::new(AnchoredClock::starting_at(5_000_000));
+        let mut keeper = TimeKeeper::new(clock.clone());
+        keeper.unreadable(&KvError::Request("no direct get".into()));
+        assert!(keeper.is_set());
+        assert!(clock.now_us() < 6_000_000);
+    }
+}
