@@ -105,6 +105,19 @@ pub fn describe_metrics() {
         "ankusa_leases_adopted_total",
         "Leases this process wrote but never heard the ack of, taken back over at their revision"
     );
+    describe_gauge!(
+        "ankusa_clock_offset_seconds",
+        Unit::Seconds,
+        "The NATS server's time minus this node's, at the last heartbeat"
+    );
+    describe_counter!(
+        "ankusa_clock_steps_total",
+        "Times the node set its clock to the NATS server's while serving nothing"
+    );
+    describe_counter!(
+        "ankusa_clock_slewed_microseconds_total",
+        "How far the node's clock was slewed towards the NATS server's while serving"
+    );
     describe_counter!(
         "ankusa_kv_call_timeouts_total",
         "KV calls of the ownership loop that did not answer within their bound"
@@ -117,6 +130,8 @@ pub fn describe_metrics() {
         "ankusa_leases_lost_total",
         "ankusa_leases_adopted_total",
         "ankusa_shard_restarts_total",
+        "ankusa_clock_steps_total",
+        "ankusa_clock_slewed_microseconds_total",
     ] {
         metrics::counter!(counter).increment(0);
     }
