@@ -135,8 +135,11 @@ impl Fleet {
         let beat = within(bound, self.kv.heartbeat(&beat, self.config.lease_ttl())).await;
         match &beat {
             Ok(revision) => {
+                // A reading that waits longer says little (its span is its
+                // uncertainty), and the renewals wait behind it.
+                let read_bound = Duration::from_millis(self.config.lease_renew_ms);
                 let stored = self.kv.heartbeat_stored_at(self.me(), *revision);
-                match within(bound, stored).await {
+                match within(read_bound, stored).await {
                     Ok(server_us) => {
                         let reading = Reading {
                             sent_us,

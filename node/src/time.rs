@@ -34,6 +34,10 @@ pub const MAX_SLEW_PPM: u64 = 500;
 /// that move between nodes see their buckets and claims off by as much.
 pub const WARN_OFFSET: Duration = Duration::from_secs(1);
 
+/// Heartbeats in a row whose time could not be read back before a node that
+/// has not set its clock gives up and serves by its host's.
+pub const UNREADABLE_ROUNDS: u32 = 3;
+
 /// One heartbeat's times: this node's clock before writing it and after
 /// reading it back, and the server's when it stored it (all unix µs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,6 +87,8 @@ pub struct TimeKeeper {
     /// Whether the node has warned that its clock is off.
     warned: bool,
     last_reading: Option<Instant>,
+    /// Heartbeats in a row whose time could not be read.
+    unreadable: u32,
 }
 
 impl TimeKeeper {
@@ -92,6 +98,7 @@ impl TimeKeeper {
             set: false,
             warned: false,
             last_reading: None,
+            unreadable: 0,
         }
     }
 
@@ -133,6 +140,7 @@ impl TimeKeeper {
             }
         }
         self.last_reading = Some(now);
+        self.unreadable = 0;
         let off = offset.unsigned_abs() > WARN_OFFSET.as_micros() as u64;
         if off && serving && !self.warned {
             tracing::warn!(
@@ -149,13 +157,15 @@ impl TimeKeeper {
         }
     }
 
-    /// The heartbeat was written but its time could not be read back: the
-    /// node keeps this host's clock rather than never serving.
+    /// The heartbeat was written but its time could not be read back. After
+    /// [`UNREADABLE_ROUNDS`] in a row, a node whose clock is not set yet
+    /// keeps its host's rather than never serving.
     pub fn unreadable(&mut self, err: &KvError) {
-        if !self.set {
+        self.unreadable = self.unreadable.saturating_add(1);
+        if !self.set && self.unreadable >= UNREADABLE_ROUNDS {
             tracing::warn!(error = %err, "cannot read the NATS server's time; keeping this host's clock");
+            self.set = true;
         }
-        self.set = true;
     }
 }
 
@@ -226,10 +236,14 @@ mod tests {
     }
 
     #[test]
-    fn a_clock_that_cannot_be_read_stays_the_hosts_and_lets_the_node_serve() {
+    fn a_clock_that_cannot_be_read_three_times_stays_the_hosts_and_lets_the_node_serve() {
         let clock = Arc::new(AnchoredClock::starting_at(5_000_000));
         let mut keeper = TimeKeeper::new(clock.clone());
-        keeper.unreadable(&KvError::Request("no direct get".into()));
+        let err = KvError::Request("no direct get".into());
+        keeper.unreadable(&err);
+        keeper.unreadable(&err);
+        assert!(!keeper.is_set(), "two misses are not enough to give up");
+        keeper.unreadable(&err);
         assert!(keeper.is_set());
         assert!(clock.now_us() < 6_000_000);
     }
