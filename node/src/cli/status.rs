@@ -30,6 +30,8 @@ pub struct NodeGauges {
     /// KV writes published and not yet acknowledged: the persistence lag.
     pub kv_writes_in_flight: Option<f64>,
     pub nats_connected: Option<f64>,
+    /// The NATS server's time minus the node's, at its last heartbeat.
+    pub clock_offset_seconds: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -124,6 +126,7 @@ fn gauges(text: &str) -> NodeGauges {
         claims: metric(text, "ankusa_claims"),
         kv_writes_in_flight: metric(text, "ankusa_kv_writes_in_flight"),
         nats_connected: metric(text, "ankusa_nats_connected"),
+        clock_offset_seconds: metric(text, "ankusa_clock_offset_seconds"),
     }
 }
 
@@ -184,12 +187,12 @@ pub fn render(status: &FleetStatus) -> String {
         status.nodes.len()
     );
     out.push_str(&format!(
-        "{:<24} {:<22} {:>6} {:>8} {:>8} {:>9} {:>5}  leased shards\n",
-        "node", "http", "owned", "tenants", "parked", "claims", "lag"
+        "{:<24} {:<22} {:>6} {:>8} {:>8} {:>9} {:>5} {:>9}  leased shards\n",
+        "node", "http", "owned", "tenants", "parked", "claims", "lag", "clock ms"
     ));
     for n in &status.nodes {
         out.push_str(&format!(
-            "{:<24} {:<22} {:>6} {:>8} {:>8} {:>9} {:>5}  {} ({})\n",
+            "{:<24} {:<22} {:>6} {:>8} {:>8} {:>9} {:>5} {:>9}  {} ({})\n",
             n.node,
             n.http.as_deref().unwrap_or("-"),
             opt(n.gauges.shards_owned),
@@ -197,6 +200,9 @@ pub fn render(status: &FleetStatus) -> String {
             opt(n.gauges.tenants_parked),
             opt(n.gauges.claims),
             opt(n.gauges.kv_writes_in_flight),
+            n.gauges
+                .clock_offset_seconds
+                .map_or_else(|| "?".into(), |s| format!("{:+.1}", s * 1000.0)),
             ranges(&n.shards),
             n.shards.len()
         ));
@@ -220,7 +226,9 @@ pub fn render(status: &FleetStatus) -> String {
             ranges(&status.unowned)
         ));
     }
-    out.push_str("(lag = KV writes awaiting their ack)");
+    out.push_str(
+        "(lag = KV writes awaiting their ack; clock ms = the NATS server's time minus the node's)",
+    );
     out
 }
 
