@@ -537,23 +537,25 @@ impl FleetKv {
         self.publish(write).await.map_err(request_err)
     }
 
-    /// When the server stored revision `revision` of `node`'s heartbeat, in
-    /// unix µs by the server's clock (the stream leader's, in a cluster). Read
-    /// through this `FleetKv`'s inbox, like its writes, so that a read never
-    /// answered leaves nothing behind.
-    pub async fn heartbeat_stored_at(&self, node: &str, revision: u64) -> Result<u64, KvError> {
-        let bucket = &self.nodes_bucket;
-        let subject = format!("$JS.API.DIRECT.GET.KV_{bucket}.$KV.{bucket}.{node}");
+    /// When the server stored revision `revision` of the nodes bucket (a
+    /// heartbeat just written), in unix µs by the stream leader's clock. Asked
+    /// of the leader (a stream message get), which has every acknowledged
+    /// write, where a direct get may be answered by a replica that lags.
+    /// Read through this `FleetKv`'s inbox, like its writes, so that a read
+    /// never answered leaves nothing behind.
+    pub async fn heartbeat_stored_at(&self, revision: u64) -> Result<u64, KvError> {
+        let subject = format!("$JS.API.STREAM.MSG.GET.KV_{}", self.nodes_bucket);
+        let ask = Bytes::from(format!("{{\"seq\":{revision}}}"));
         let waiting = self
             .writes
-            .request(subject.into(), None, Bytes::new())
+            .request(subject.into(), None, ask)
             .await
             .map_err(request_err)?;
         let reply = tokio::time::timeout(KV_WRITE_WAIT, waiting.reply())
             .await
             .map_err(|_| KvError::Request(format!("no answer within {KV_WRITE_WAIT:?}")))?
             .map_err(request_err)?;
-        stored_at(&reply, revision)
+        stored_at(&reply.payload, revision)
     }
 
     /// Says `node` has left.
@@ -1345,34 +1347,49 @@ async fn acked(
     }
 }
 
-/// When the message of a direct get's `reply` was stored, in unix µs, if it
-/// is revision `revision`: a later one (another node under the same name)
-/// was stored at another time.
-fn stored_at(reply: &async_nats::Message, revision: u64) -> Result<u64, KvError> {
-    let header = |name: &str| {
-        reply
-            .headers
-            .as_ref()
-            .and_then(|h| h.get(name))
-            .map(|v| v.as_str().to_owned())
+/// What JetStream answers a stream message get: the message, or why not.
+#[derive(Deserialize)]
+struct MessageAnswer {
+    #[serde(default)]
+    message: Option<StoredMessage>,
+    #[serde(default)]
+    error: Option<ApiError>,
+}
+
+#[derive(Deserialize)]
+struct StoredMessage {
+    seq: u64,
+    /// When the stream stored it (RFC 3339, the leader's clock).
+    time: String,
+}
+
+/// When message `revision` was stored, in unix µs, from a stream message
+/// get's answer.
+fn stored_at(answer: &[u8], revision: u64) -> Result<u64, KvError> {
+    let unreadable = |what: String| KvError::Request(format!("message get: {what}"));
+    let message = match serde_json::from_slice::<MessageAnswer>(answer) {
+        Ok(MessageAnswer {
+            message: Some(message),
+            ..
+        }) => message,
+        Ok(MessageAnswer {
+            error: Some(err), ..
+        }) => return Err(unreadable(format!("{} ({})", err.description, err.code))),
+        Ok(_) | Err(_) => return Err(unreadable("not a message".into())),
     };
-    let unreadable = |what: String| KvError::Request(format!("direct get: {what}"));
-    if let Some(status) = reply.status.filter(|s| !s.is_success()) {
-        return Err(unreadable(format!("status {status}")));
-    }
-    let sequence = header("Nats-Sequence")
-        .and_then(|s| s.parse::<u64>().ok())
-        .ok_or_else(|| unreadable("no Nats-Sequence".into()))?;
-    if sequence != revision {
+    if message.seq != revision {
         return Err(unreadable(format!(
-            "revision {sequence} found, {revision} written"
+            "revision {} found, {revision} asked",
+            message.seq
         )));
     }
-    let stamp = header("Nats-Time-Stamp").ok_or_else(|| unreadable("no Nats-Time-Stamp".into()))?;
-    let at = time::OffsetDateTime::parse(&stamp, &time::format_description::well_known::Rfc3339)
-        .map_err(|err| unreadable(format!("time stamp {stamp:?}: {err}")))?;
+    let at = time::OffsetDateTime::parse(
+        &message.time,
+        &time::format_description::well_known::Rfc3339,
+    )
+    .map_err(|err| unreadable(format!("time {:?}: {err}", message.time)))?;
     u64::try_from(at.unix_timestamp_nanos() / 1000)
-        .map_err(|_| unreadable(format!("time stamp {stamp:?} before 1970")))
+        .map_err(|_| unreadable(format!("time {:?} before 1970", message.time)))
 }
 
 /// What JetStream answers a publish: the stored message's sequence, or why
@@ -1417,44 +1434,22 @@ fn read_ack(payload: &[u8]) -> Result<u64, WriteError> {
 mod tests {
     use super::*;
 
-    fn direct_get_reply(headers: &[(&str, &str)], status: Option<u16>) -> async_nats::Message {
-        let mut map = HeaderMap::new();
-        for (name, value) in headers {
-            map.insert(*name, *value);
-        }
-        async_nats::Message {
-            subject: "_INBOX.x.1".into(),
-            reply: None,
-            payload: Bytes::new(),
-            headers: Some(map),
-            status: status.and_then(|s| async_nats::StatusCode::from_u16(s).ok()),
-            description: None,
-            length: 0,
-        }
-    }
-
     #[test]
-    fn a_direct_gets_time_stamp_is_read_for_its_own_revision_only() {
-        let stamped = [
-            ("Nats-Sequence", "42"),
-            ("Nats-Time-Stamp", "2026-12-06T02:03:26.123456789Z"),
-        ];
-        let at = stored_at(&direct_get_reply(&stamped, None), 42).expect("stamped");
-        assert_eq!(at, 1_796_522_606_123_456);
-        let other = stored_at(&direct_get_reply(&stamped, None), 41).unwrap_err();
+    fn a_stored_messages_time_is_read_for_the_revision_asked_only() {
+        let answer = br#"{"type":"io.nats.jetstream.api.v1.stream_msg_get_response","message":{"subject":"$KV.b.n","seq":42,"data":"","time":"2026-12-06T02:03:26.123456789Z"}}"#;
+        assert_eq!(stored_at(answer, 42), Ok(1_796_522_606_123_456));
+        let other = stored_at(answer, 41).unwrap_err();
         assert!(
-            other.to_string().contains("revision 42 found, 41 written"),
+            other.to_string().contains("revision 42 found, 41 asked"),
             "{other}"
         );
-        let missing = direct_get_reply(&[("Nats-Sequence", "42")], None);
-        assert!(stored_at(&missing, 42).is_err());
-        let garbled = direct_get_reply(
-            &[("Nats-Sequence", "42"), ("Nats-Time-Stamp", "noon")],
-            None,
-        );
-        assert!(stored_at(&garbled, 42).is_err());
-        let not_found = direct_get_reply(&[], Some(404));
-        assert!(stored_at(&not_found, 42).is_err());
+        let missing =
+            br#"{"error":{"code":404,"err_code":10037,"description":"no message found"}}"#;
+        let err = stored_at(missing, 42).unwrap_err();
+        assert!(err.to_string().contains("no message found (404)"), "{err}");
+        let garbled = br#"{"message":{"seq":42,"time":"noon"}}"#;
+        assert!(stored_at(garbled, 42).is_err());
+        assert!(stored_at(b"not json", 42).is_err());
     }
 
     /// Nodes of this release and of earlier ones read each other's leases: an

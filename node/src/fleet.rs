@@ -138,7 +138,7 @@ impl Fleet {
                 // A reading that waits longer says little (its span is its
                 // uncertainty), and the renewals wait behind it.
                 let read_bound = Duration::from_millis(self.config.lease_renew_ms);
-                let stored = self.kv.heartbeat_stored_at(self.me(), *revision);
+                let stored = self.kv.heartbeat_stored_at(*revision);
                 match within(read_bound, stored).await {
                     Ok(server_us) => {
                         let reading = Reading {

@@ -239,7 +239,7 @@ mod tests {
     fn a_clock_that_cannot_be_read_three_times_stays_the_hosts_and_lets_the_node_serve() {
         let clock = Arc::new(AnchoredClock::starting_at(5_000_000));
         let mut keeper = TimeKeeper::new(clock.clone());
-        let err = KvError::Request("no direct get".into());
+        let err = KvError::Request("no message get".into());
         keeper.unreadable(&err);
         keeper.unreadable(&err);
         assert!(!keeper.is_set(), "two misses are not enough to give up");
