@@ -800,6 +800,19 @@ async fn run(nats: Nats, replicas: usize) -> (Report, Vec<CutSeen>) {
             node.spec.node_id,
             node.log_tail(40)
         );
+        // Through every fault, each life of each node kept the server's
+        // time: none fell back to its host's clock.
+        let log = node.log();
+        assert!(
+            log.contains("clock set to the NATS server's")
+                && !log.contains("keeping this host's clock"),
+            "node {} did not set its clock from the server:\n{}",
+            node.spec.node_id,
+            log.lines()
+                .filter(|l| l.contains("clock"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
     }
 
     let config = CheckerConfig {
