@@ -40,7 +40,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ankusa_actors::types::validate_tenant;
-use ankusa_actors::{Clock, HitOutcome, HitRequest, SettleOutcome, SettleRequest, SystemClock};
+use ankusa_actors::{AnchoredClock, Clock, HitOutcome, HitRequest, SettleOutcome, SettleRequest};
 use serde::Serialize;
 
 use crate::breaker::{
@@ -237,12 +237,14 @@ impl<S> std::fmt::Debug for Edge<S> {
 }
 
 impl<S: Store> Edge<S> {
-    /// An edge over `store` on the system clocks.
+    /// An edge over `store` on the system clocks: the local rules on wall
+    /// time carried by the monotonic clock, so that a step of the host's
+    /// clock does not empty or refill the local buckets.
     pub fn new(store: S, config: EdgeConfig) -> Self {
         Self::with_clocks(
             store,
             config,
-            Arc::new(SystemClock),
+            Arc::new(AnchoredClock::from_system()),
             Arc::new(SystemMonotonic),
         )
     }
