@@ -105,6 +105,10 @@ pub fn describe_metrics() {
         "ankusa_leases_adopted_total",
         "Leases this process wrote but never heard the ack of, taken back over at their revision"
     );
+    describe_counter!(
+        "ankusa_membership_listings_total",
+        "Ownership rounds that listed the live nodes from KV, the membership watch not to be trusted"
+    );
     describe_gauge!(
         "ankusa_clock_offset_seconds",
         Unit::Seconds,
@@ -132,6 +136,9 @@ pub fn describe_metrics() {
         "ankusa_shard_restarts_total",
         "ankusa_clock_steps_total",
         "ankusa_clock_slewed_microseconds_total",
+        // Exported from the start: a node whose watch caught up before its
+        // first round never lists, and the counter would never appear.
+        "ankusa_membership_listings_total",
     ] {
         metrics::counter!(counter).increment(0);
     }
