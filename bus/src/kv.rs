@@ -1195,6 +1195,8 @@ async fn commit_loop(
     mut rx: mpsc::Receiver<Submitted>,
 ) {
     let mut acks = FuturesUnordered::new();
+    // Exported from the start: `ankusa status` shows it as the node's lag.
+    metrics::gauge!("ankusa_kv_writes_in_flight").set(0.0);
     let mut open = true;
     while open || !acks.is_empty() {
         tokio::select! {
