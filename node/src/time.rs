@@ -235,6 +235,44 @@ mod tests {
         assert!(clock.now_us() - before < 50_000);
     }
 
+    proptest::proptest! {
+        /// Whatever the readings say, a serving node's clock never goes
+        /// back and never gains more than the slew bound on the time that
+        /// passed.
+        #[test]
+        fn a_serving_nodes_clock_only_moves_forward_within_the_slew_bound(
+            start_off_us in -7_200_000_000i64..7_200_000_000,
+            readings in proptest::collection::vec(
+                (-3_600_000_000i64..3_600_000_000, 0u64..50_000, 1u64..5_000_000),
+                1..30,
+            ),
+        ) {
+            let server_now = 1_800_000_000_000_000u64;
+            let clock = Arc::new(AnchoredClock::starting_at(
+                server_now.saturating_add_signed(start_off_us),
+            ));
+            let mut keeper = TimeKeeper::new(clock.clone());
+            let mut now = Instant::now();
+            keeper.take(reading(&clock, server_now, 1_000), false, now);
+            for (server_off_us, span_us, gap_us) in readings {
+                now += Duration::from_micros(gap_us);
+                let real = std::time::Instant::now();
+                let before = clock.now_us();
+                let server_us = before.saturating_add_signed(server_off_us);
+                keeper.take(reading(&clock, server_us, span_us), true, now);
+                let after = clock.now_us();
+                let elapsed_us = real.elapsed().as_micros() as u64;
+                let bound = gap_us * MAX_SLEW_PPM / 1_000_000;
+                proptest::prop_assert!(after >= before, "went back: {before} then {after}");
+                proptest::prop_assert!(
+                    after - before <= elapsed_us + bound + 1,
+                    "moved {} µs in {elapsed_us} µs with a bound of {bound}",
+                    after - before
+                );
+            }
+        }
+    }
+
     #[test]
     fn a_clock_that_cannot_be_read_three_times_stays_the_hosts_and_lets_the_node_serve() {
         let clock = Arc::new(AnchoredClock::starting_at(5_000_000));
