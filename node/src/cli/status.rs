@@ -256,4 +256,37 @@ mod tests {
         assert_eq!(metric(text, "ankusa_requests_total"), Some(5.0));
         assert_eq!(metric(text, "ankusa_missing"), None);
     }
+
+    #[test]
+    fn each_nodes_clock_offset_is_shown_in_milliseconds() {
+        let node = |name: &str, offset: Option<f64>| NodeStatus {
+            node: name.into(),
+            http: None,
+            started_ms: 0,
+            shards: vec![0, 1, 2],
+            metrics_error: None,
+            gauges: NodeGauges {
+                clock_offset_seconds: offset,
+                ..NodeGauges::default()
+            },
+        };
+        let status = FleetStatus {
+            instance: "test".into(),
+            shards: 3,
+            nodes: vec![node("behind", Some(0.0015)), node("unread", None)],
+            unowned: vec![],
+            held_by_unknown: BTreeMap::new(),
+        };
+        let text = render(&status);
+        let row = |name: &str| {
+            text.lines()
+                .find(|l| l.starts_with(name))
+                .unwrap_or_else(|| panic!("no row for {name}:\n{text}"))
+                .split_whitespace()
+                .nth(7)
+                .map(str::to_owned)
+        };
+        assert_eq!(row("behind").as_deref(), Some("+1.5"), "{text}");
+        assert_eq!(row("unread").as_deref(), Some("?"), "{text}");
+    }
 }
