@@ -546,16 +546,9 @@ impl FleetKv {
     pub async fn heartbeat_stored_at(&self, revision: u64) -> Result<u64, KvError> {
         let subject = format!("$JS.API.STREAM.MSG.GET.KV_{}", self.nodes_bucket);
         let ask = Bytes::from(format!("{{\"seq\":{revision}}}"));
-        let waiting = self
-            .writes
-            .request(subject.into(), None, ask)
-            .await
-            .map_err(request_err)?;
-        let reply = tokio::time::timeout(KV_WRITE_WAIT, waiting.reply())
-            .await
-            .map_err(|_| KvError::Request(format!("no answer within {KV_WRITE_WAIT:?}")))?
-            .map_err(request_err)?;
-        stored_at(&reply.payload, revision)
+        let asked = self.writes.request(subject.into(), None, ask).await;
+        let answer = replied(asked, KV_WRITE_WAIT).await.map_err(request_err)?;
+        stored_at(&answer.payload, revision)
     }
 
     /// Says `node` has left.
@@ -1320,7 +1313,7 @@ enum WriteError {
     NotAnAck(String),
     #[error("no stream takes the subject (no responders)")]
     NoStream,
-    #[error("no ack within {0:?}")]
+    #[error("no answer within {0:?}")]
     NoAck(Duration),
     #[error("{0}")]
     Transport(String),
@@ -1340,9 +1333,18 @@ async fn acked(
     published: Result<replies::Waiting, StoreError>,
     bound: Duration,
 ) -> Result<u64, WriteError> {
+    read_ack(&replied(published, bound).await?.payload)
+}
+
+/// Awaits the JetStream answer to a request sent through the inbox, within
+/// `bound`.
+async fn replied(
+    published: Result<replies::Waiting, StoreError>,
+    bound: Duration,
+) -> Result<async_nats::Message, WriteError> {
     let waiting = published.map_err(|err| WriteError::Transport(err.to_string()))?;
     match tokio::time::timeout(bound, waiting.reply()).await {
-        Ok(Ok(ack)) => read_ack(&ack.payload),
+        Ok(Ok(answer)) => Ok(answer),
         Ok(Err(StoreError::NoResponders)) => Err(WriteError::NoStream),
         Ok(Err(err)) => Err(WriteError::Transport(err.to_string())),
         Err(_) => Err(WriteError::NoAck(bound)),

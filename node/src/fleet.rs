@@ -134,24 +134,7 @@ impl Fleet {
         let sent_us = self.time.now_us();
         let beat = within(bound, self.kv.heartbeat(&beat, self.config.lease_ttl())).await;
         match &beat {
-            Ok(revision) => {
-                // A reading that waits longer says little (its span is its
-                // uncertainty), and the renewals wait behind it.
-                let read_bound = Duration::from_millis(self.config.lease_renew_ms);
-                let stored = self.kv.heartbeat_stored_at(*revision);
-                match within(read_bound, stored).await {
-                    Ok(server_us) => {
-                        let reading = Reading {
-                            sent_us,
-                            server_us,
-                            read_us: self.time.now_us(),
-                        };
-                        let serving = !self.held.is_empty();
-                        self.time.take(reading, serving, Instant::now());
-                    }
-                    Err(err) => self.time.unreadable(&err),
-                }
-            }
+            Ok(revision) => self.read_time(*revision, sent_us).await,
             Err(err) => tracing::warn!(error = %err, "heartbeat failed"),
         }
         let nodes = match self.membership.live(self.config.lease_ttl()) {
@@ -195,6 +178,26 @@ impl Fleet {
             Err(err) => {
                 tracing::warn!(error = %err, "cannot list live nodes; keeping the last view")
             }
+        }
+    }
+
+    /// Reads back when the server stored the heartbeat written at `sent_us`
+    /// (revision `revision`), and keeps the node's clock by it.
+    async fn read_time(&mut self, revision: u64, sent_us: u64) {
+        // A reading that waits longer says little (its span is its
+        // uncertainty), and the renewals wait behind it.
+        let bound = Duration::from_millis(self.config.lease_renew_ms);
+        match within(bound, self.kv.heartbeat_stored_at(revision)).await {
+            Ok(server_us) => {
+                let reading = Reading {
+                    sent_us,
+                    server_us,
+                    read_us: self.time.now_us(),
+                };
+                let serving = !self.held.is_empty();
+                self.time.take(reading, serving, Instant::now());
+            }
+            Err(err) => self.time.unreadable(&err),
         }
     }
 
