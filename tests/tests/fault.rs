@@ -63,8 +63,11 @@ const KEYS: u32 = 100;
 const RECOVERY_BOUND: Duration = Duration::from_secs(10);
 /// Pause between a fault's repair and the next fault.
 const GAP: Duration = Duration::from_secs(3);
-/// Upper bound on the calls one client makes, whatever the clock says.
-const MAX_ITERATIONS: u64 = 100_000;
+/// Each client's iteration ends with this pause, so a client makes at most
+/// one iteration per pause.
+const ITERATION_PAUSE: Duration = Duration::from_millis(2);
+/// What the iteration cap allows for a fault cycle (one takes about 40 s).
+const CYCLE_ALLOWANCE: Duration = Duration::from_secs(120);
 /// The node whose link to NATS runs through the [`NetCut`] proxy.
 const CUT_NODE: &str = "node-c";
 /// The node that runs on a pool of worker threads.
@@ -280,18 +283,29 @@ fn uncertain(result: &CallResult) -> bool {
     matches!(result, CallResult::Error(kind) if !kind.certainly_not_applied())
 }
 
-/// One client's loop: until `stop`, bounded in iterations.
+/// Upper bound on the iterations one client makes, whatever the clock says:
+/// the run's planned length (the soak, then one more cycle) at one iteration
+/// per pause, so that the stop flag, not the cap, ends every client's loop.
+fn max_iterations(soak: Option<Duration>) -> u64 {
+    let planned = soak.unwrap_or_default() + CYCLE_ALLOWANCE;
+    u64::try_from(planned.as_millis() / ITERATION_PAUSE.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// One client's loop: until `stop`, bounded in iterations. A client that runs
+/// out of iterations first is an error: its silence after the last fault would
+/// read as an edge that never came back to the fleet.
 async fn drive(
     client: Client,
     name: String,
     seed: u64,
     history: Arc<History>,
     stop: Arc<AtomicBool>,
-) {
+) -> Result<(), String> {
     let mut rng = StdRng::seed_from_u64(seed);
-    for n in 0..MAX_ITERATIONS {
+    let iterations = max_iterations(soak());
+    for n in 0..iterations {
         if stop.load(Ordering::Relaxed) {
-            break;
+            return Ok(());
         }
         let tenant = match rng.random_range(0..100) {
             0..45 => "acme",
@@ -322,8 +336,11 @@ async fn drive(
                 client.settle(&history, &name, settle).await;
             }
         }
-        tokio::time::sleep(Duration::from_millis(2)).await;
+        tokio::time::sleep(ITERATION_PAUSE).await;
     }
+    Err(format!(
+        "{name} made all its {iterations} iterations before the run ended"
+    ))
 }
 
 /// A tenant name per shard, so the probe can reach every shard.
@@ -789,7 +806,9 @@ async fn run(nats: Nats, replicas: usize) -> (Report, Vec<CutSeen>) {
     wait_for_degraded_edges(&history).await;
     stop.store(true, Ordering::Relaxed);
     for c in clients {
-        c.await.expect("client task");
+        if let Err(ran_out) = c.await.expect("client task") {
+            panic!("{ran_out}: raise the cap (`max_iterations`)");
+        }
     }
     monitor.join().expect("stall monitor");
     eprintln!("run done after {:?}", setup.elapsed());
