@@ -300,9 +300,9 @@ async fn drive(
     seed: u64,
     history: Arc<History>,
     stop: Arc<AtomicBool>,
+    iterations: u64,
 ) -> Result<(), String> {
     let mut rng = StdRng::seed_from_u64(seed);
-    let iterations = max_iterations(soak());
     for n in 0..iterations {
         if stop.load(Ordering::Relaxed) {
             return Ok(());
@@ -765,6 +765,7 @@ async fn run(nats: Nats, replicas: usize) -> (Report, Vec<CutSeen>) {
         Duration::from_secs(3_600),
     );
     eprintln!("fleet ready after {:?}", setup.elapsed());
+    let soak = soak();
     let mut clients = Vec::new();
     for i in 0..4u64 {
         let store = fleet_store(&urls).await;
@@ -784,6 +785,7 @@ async fn run(nats: Nats, replicas: usize) -> (Report, Vec<CutSeen>) {
             0x5eed + i,
             history.clone(),
             stop.clone(),
+            max_iterations(soak),
         )));
     }
     let probe = Client::Fleet(fleet_store(&urls).await);
@@ -791,7 +793,6 @@ async fn run(nats: Nats, replicas: usize) -> (Report, Vec<CutSeen>) {
     // Warm up, then the faults; each cycle ends with the recovery after its
     // last fault measured, while the workload goes on.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let soak = soak();
     let began = std::time::Instant::now();
     let mut cycle = 0;
     let mut cuts = Vec::new();
