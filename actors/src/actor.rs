@@ -36,7 +36,8 @@ use serde::{Deserialize, Serialize};
 use crate::clock::Clock;
 use crate::tenant::{Applied, Changes, TenantSnapshot, TenantState};
 use crate::types::{
-    validate_tenant, HitOutcome, HitRequest, InvalidRequest, SettleOutcome, SettleRequest,
+    validate_tenant, EventKey, HitOutcome, HitRequest, InspectRequest, InvalidRequest,
+    SettleOutcome, SettleRequest, TenantView,
 };
 
 /// Why an actor did not apply a request. Nothing was changed in every case.
@@ -83,6 +84,8 @@ pub enum TenantMsg {
     Hit(HitJob),
     Settle(SettleJob),
     Reset(RpcReplyPort<Changes>),
+    /// Read the state, and the claim on the event key if any.
+    Inspect(Option<EventKey>, RpcReplyPort<TenantView>),
     /// Sweep expired claims, unless a sweep is under way.
     Sweep,
     /// The next step of the sweep under way, queued behind the requests that
@@ -107,6 +110,11 @@ pub enum ShardMsg {
     Reset {
         tenant: String,
         reply: RpcReplyPort<Result<Changes, Refused>>,
+    },
+    /// Read a tenant's state without changing it (nor starting its actor).
+    Inspect {
+        req: InspectRequest,
+        reply: RpcReplyPort<Result<TenantView, Refused>>,
     },
     /// Retire quiet tenants and, every `sweep_every`, sweep expired claims.
     Tick,
@@ -261,6 +269,9 @@ impl Actor for TenantActor {
             }
             TenantMsg::Reset(reply) => {
                 let _ = reply.send(me.state.reset());
+            }
+            TenantMsg::Inspect(event, reply) => {
+                let _ = reply.send(me.state.inspect(now, event.as_ref()));
             }
             TenantMsg::Sweep if me.sweeping => {}
             TenantMsg::Sweep | TenantMsg::SweepOn => {
@@ -708,6 +719,27 @@ impl Actor for ShardActor {
                     Ok(TenantState::default().reset())
                 };
                 let _ = reply.send(changes);
+            }
+            ShardMsg::Inspect { req, reply } => {
+                if let Err(why) = req.validate() {
+                    let _ = reply.send(Err(why.into()));
+                    return Ok(());
+                }
+                let InspectRequest { tenant, claim } = req;
+                let view = if let Some(actor) = state.active(&tenant) {
+                    match actor
+                        .call(|port| TenantMsg::Inspect(claim, port), None)
+                        .await
+                    {
+                        Ok(CallResult::Success(view)) => Ok(view),
+                        _ => Err(Refused::Unavailable),
+                    }
+                } else if let Some(parked) = state.parked.get(tenant.as_str()) {
+                    Ok(parked.inspect(state.config.clock.now_us(), claim.as_ref()))
+                } else {
+                    Ok(TenantView::default())
+                };
+                let _ = reply.send(view);
             }
             ShardMsg::Tick => state.tick().await,
             ShardMsg::Absorb(tenants) => absorb(state, tenants),

@@ -25,6 +25,6 @@ pub use tenant::{
     Applied, BucketRecord, Buckets, Changes, ClaimChange, TenantSnapshot, TenantState,
 };
 pub use types::{
-    Charge, Claim, HitOutcome, HitRequest, InvalidRequest, Kind, SettleOutcome, SettleRequest,
-    Settlement,
+    BucketView, Charge, Claim, ClaimView, EventKey, HitOutcome, HitRequest, InspectRequest,
+    InvalidRequest, Kind, SettleOutcome, SettleRequest, Settlement, TenantView,
 };

@@ -9,7 +9,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::claims::{ClaimRecord, ClaimTable, Phase, SweepStep};
 use crate::gcra;
-use crate::types::{HitOutcome, HitRequest, Kind, SettleOutcome, SettleRequest, Settlement};
+use crate::types::{
+    BucketView, ClaimView, EventKey, HitOutcome, HitRequest, Kind, SettleOutcome, SettleRequest,
+    Settlement, TenantView,
+};
 
 /// A bucket as it is persisted and exported.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -299,6 +302,40 @@ impl TenantState {
                 .iter()
                 .map(|&kind| BucketRecord { kind, tat_us: 0 })
                 .collect(),
+        }
+    }
+
+    /// What this state holds at `now_us`, and the claim on `event` if it is live.
+    pub fn inspect(&self, now_us: u64, event: Option<&EventKey>) -> TenantView {
+        let buckets = Kind::ALL
+            .iter()
+            .map(|&kind| BucketView {
+                kind,
+                ahead_us: self.tats[kind.index()].saturating_sub(now_us),
+            })
+            .filter(|bucket| bucket.ahead_us > 0)
+            .collect();
+        let claim = event
+            .and_then(|e| self.claims.find(&e.source_id, &e.key, now_us))
+            .map(|entry| {
+                let hook_id = entry.hook_id().to_string();
+                let expires_in_ms = gcra::retry_ms(entry.expires_us - now_us);
+                match &entry.phase {
+                    Phase::Pending { node } => ClaimView::Pending {
+                        hook_id,
+                        node: node.to_string(),
+                        expires_in_ms,
+                    },
+                    Phase::Committed => ClaimView::Committed {
+                        hook_id,
+                        expires_in_ms,
+                    },
+                }
+            });
+        TenantView {
+            buckets,
+            claims_held: self.claims.len() as u64,
+            claim,
         }
     }
 

@@ -40,6 +40,14 @@ pub enum Kind {
 impl Kind {
     pub const ALL: [Kind; 2] = [Kind::Hooks, Kind::Bytes];
 
+    /// The kind's name on the wire, in logs and in keys.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Hooks => "hooks",
+            Kind::Bytes => "bytes",
+        }
+    }
+
     pub(crate) fn index(self) -> usize {
         match self {
             Kind::Hooks => 0,
@@ -120,6 +128,57 @@ pub enum SettleOutcome {
     NotOwner { hook_id: String },
     /// A release of a claim that is already committed; nothing changed.
     AlreadyCommitted,
+}
+
+/// A provider event key, as a claim names it: `key` within `source_id`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EventKey {
+    pub source_id: String,
+    pub key: String,
+}
+
+/// Read one tenant's state without changing anything: its buckets and, when
+/// `claim` names an event key, the claim on it. Not part of the contract: it
+/// answers an operator's "why is this tenant limited?" and "who holds this key?".
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InspectRequest {
+    pub tenant: String,
+    pub claim: Option<EventKey>,
+}
+
+/// What a node holds for one tenant, read at one instant of its clock.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TenantView {
+    /// The buckets that are not full; a kind not listed is full.
+    pub buckets: Vec<BucketView>,
+    /// Claims the tenant holds, counting expired ones not yet swept.
+    pub claims_held: u64,
+    /// The live claim on the key asked about, if any.
+    pub claim: Option<ClaimView>,
+}
+
+/// One bucket that is not full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BucketView {
+    pub kind: Kind,
+    /// How far the bucket's TAT is ahead of now, µs: a charge of
+    /// `increment_us` against `capacity_us` passes while
+    /// `ahead_us + increment_us <= capacity_us`.
+    pub ahead_us: u64,
+}
+
+/// A live claim on one key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum ClaimView {
+    /// `hook_id` on `node` is in flight: hits on the key answer `Pending`.
+    Pending {
+        hook_id: String,
+        node: String,
+        expires_in_ms: u64,
+    },
+    /// `hook_id` is stored: hits on the key answer `Duplicate`.
+    Committed { hook_id: String, expires_in_ms: u64 },
 }
 
 /// Why a request was refused before it touched any state.
@@ -252,6 +311,17 @@ impl HitRequest {
         let tenant = self.tenant();
         if self.charges.iter().any(|c| c.tenant != tenant) {
             return Err(InvalidRequest::MixedTenants);
+        }
+        Ok(())
+    }
+}
+
+impl InspectRequest {
+    pub fn validate(&self) -> Result<(), InvalidRequest> {
+        validate_tenant(&self.tenant)?;
+        if let Some(event) = &self.claim {
+            check_text("source_id", &event.source_id, limits::MAX_SOURCE_ID)?;
+            check_text("key", &event.key, limits::MAX_KEY)?;
         }
         Ok(())
     }

@@ -1,15 +1,15 @@
 //! The shard and tenant actors driven through [`spawn_shard`]: routing, retirement
 //! and parking of idle tenants, claim sweeps, deadlines, per-tenant shedding,
-//! export/handoff to a fresh shard, and refusal of invalid requests.
+//! export/handoff to a fresh shard, inspection, and refusal of invalid requests.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ankusa_actors::actor::Job;
 use ankusa_actors::{
-    spawn_shard, Applied, Changes, Charge, Claim, HitOutcome, HitRequest, InvalidRequest, Kind,
-    ManualClock, Refused, SettleOutcome, SettleRequest, Settlement, ShardConfig, ShardHandle,
-    ShardMsg, ShardStats, TenantSnapshot,
+    spawn_shard, Applied, Changes, Charge, Claim, ClaimView, EventKey, HitOutcome, HitRequest,
+    InspectRequest, InvalidRequest, Kind, ManualClock, Refused, SettleOutcome, SettleRequest,
+    Settlement, ShardConfig, ShardHandle, ShardMsg, ShardStats, TenantSnapshot, TenantView,
 };
 use ractor::rpc::CallResult;
 use tokio::sync::oneshot;
@@ -98,6 +98,24 @@ async fn reset(shard: &ShardHandle, tenant: &str) -> Result<Changes, Refused> {
     match shard
         .actor()
         .call(|reply| ShardMsg::Reset { tenant, reply }, None)
+        .await
+    {
+        Ok(CallResult::Success(reply)) => reply,
+        other => panic!("shard did not answer: {other:?}"),
+    }
+}
+
+async fn inspect(shard: &ShardHandle, tenant: &str, key: &str) -> Result<TenantView, Refused> {
+    let req = InspectRequest {
+        tenant: tenant.to_string(),
+        claim: Some(EventKey {
+            source_id: "stripe".into(),
+            key: key.into(),
+        }),
+    };
+    match shard
+        .actor()
+        .call(|reply| ShardMsg::Inspect { req, reply }, None)
         .await
     {
         Ok(CallResult::Success(reply)) => reply,
@@ -311,6 +329,46 @@ async fn reset_reaches_a_parked_tenant() {
     assert_eq!(stats(&shard).await.parked_tenants, 1);
     reset(&shard, "acme").await.unwrap();
     assert_eq!(hit(&shard, limited).await, HitOutcome::Ok);
+}
+
+#[tokio::test]
+async fn inspect_reads_running_parked_and_unknown_tenants_without_starting_one() {
+    let clock = ManualClock::new(T0);
+    let shard = spawn_shard(config(&clock, 1, 3_600_000), vec![], None)
+        .await
+        .unwrap();
+    let unknown = inspect(&shard, "nobody", "evt-1").await.unwrap();
+    assert_eq!(unknown, TenantView::default());
+    assert_eq!(
+        stats(&shard).await.active_tenants,
+        0,
+        "inspect started a tenant"
+    );
+
+    let held = claim("acme", "evt-1", "hook-1");
+    assert_eq!(hit(&shard, claim_only(held.clone())).await, HitOutcome::Ok);
+    let running = inspect(&shard, "acme", "evt-1").await.unwrap();
+    assert_eq!(stats(&shard).await.active_tenants, 1);
+    assert!(
+        matches!(&running.claim, Some(ClaimView::Pending { hook_id, .. }) if hook_id == "hook-1"),
+        "{running:?}"
+    );
+
+    clock.advance_us(2 * MS);
+    tick(&shard);
+    assert_eq!(stats(&shard).await.parked_tenants, 1);
+    let parked = inspect(&shard, "acme", "evt-1").await.unwrap();
+    assert_eq!(parked.claims_held, 1);
+    assert!(matches!(parked.claim, Some(ClaimView::Pending { .. })));
+    let s = stats(&shard).await;
+    assert_eq!((s.active_tenants, s.parked_tenants), (0, 1));
+
+    assert_eq!(
+        inspect(&shard, "", "evt-1").await,
+        Err(Refused::Invalid(InvalidRequest::Empty {
+            field: "tenant".into()
+        }))
+    );
 }
 
 #[tokio::test]

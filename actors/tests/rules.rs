@@ -1,12 +1,14 @@
 //! Every rule of [`TenantState`] and of request validation, one behaviour per test:
 //! GCRA burst and rate, all-or-nothing hits, the two-phase claim and its settles,
-//! expiry, reset, emptiness, snapshots, and each [`InvalidRequest`] variant.
+//! expiry, reset, emptiness, inspection, snapshots, and each [`InvalidRequest`]
+//! variant.
 
 use ankusa_actors::types::limits;
 use ankusa_actors::types::validate_tenant;
 use ankusa_actors::{
-    Charge, Claim, ClaimChange, ClaimRecord, Clock, HitOutcome, HitRequest, InvalidRequest, Kind,
-    ManualClock, SettleOutcome, SettleRequest, Settlement, TenantSnapshot, TenantState,
+    BucketView, Charge, Claim, ClaimChange, ClaimRecord, ClaimView, Clock, EventKey, HitOutcome,
+    HitRequest, InspectRequest, InvalidRequest, Kind, ManualClock, SettleOutcome, SettleRequest,
+    Settlement, TenantSnapshot, TenantState, TenantView,
 };
 
 const T0: u64 = 1_700_000_000_000_000;
@@ -704,6 +706,110 @@ fn is_empty_follows_buckets_and_live_claims() {
     reset.hit(T0, &hit(vec![charge(Kind::Bytes, 1_000, 5_000)], None));
     reset.reset();
     assert!(reset.is_empty(T0));
+}
+
+// ---------------------------------------------------------------- inspect
+
+fn event(key: &str) -> EventKey {
+    EventKey {
+        source_id: "stripe".into(),
+        key: key.into(),
+    }
+}
+
+#[test]
+fn inspect_reports_how_far_each_bucket_is_ahead_and_changes_nothing() {
+    let mut state = TenantState::default();
+    assert_eq!(state.inspect(T0, None), TenantView::default());
+    // Two of the three hooks of the burst, and one kB of the four.
+    state.hit(T0, &hit(two_charges(), None));
+    state.hit(T0, &hit(vec![charge(Kind::Hooks, 100_000, 300_000)], None));
+    let view = state.inspect(T0 + 50_000, None);
+    assert_eq!(
+        view.buckets,
+        [
+            BucketView {
+                kind: Kind::Hooks,
+                ahead_us: 150_000
+            },
+            BucketView {
+                kind: Kind::Bytes,
+                ahead_us: 950_000
+            },
+        ]
+    );
+    // What the view says passes, passes: 150 ms + 100 ms <= 300 ms.
+    let before = state.snapshot(TENANT, T0 + 50_000);
+    assert_eq!(state.inspect(T0 + 50_000, None), view);
+    assert_eq!(state.snapshot(TENANT, T0 + 50_000), before);
+    let third = state.hit(
+        T0 + 50_000,
+        &hit(vec![charge(Kind::Hooks, 100_000, 300_000)], None),
+    );
+    assert_eq!(third.outcome, HitOutcome::Ok);
+    // A full bucket is not listed.
+    assert_eq!(state.inspect(T0 + 1_000_000, None).buckets, []);
+}
+
+#[test]
+fn inspect_shows_the_live_claim_on_a_key_pending_then_committed() {
+    let c = claim("evt-1", "hook-1");
+    let mut state = pending(&c);
+    let view = state.inspect(T0 + 1_000, Some(&event("evt-1")));
+    assert_eq!(view.claims_held, 1);
+    assert_eq!(
+        view.claim,
+        Some(ClaimView::Pending {
+            hook_id: "hook-1".into(),
+            node: "node-a".into(),
+            expires_in_ms: 4_999,
+        })
+    );
+    assert_eq!(state.inspect(T0, Some(&event("evt-2"))).claim, None);
+
+    state.settle(T0 + 1_000, &settle(c.clone(), Settlement::Commit));
+    assert_eq!(
+        state.inspect(T0 + 1_000, Some(&event("evt-1"))).claim,
+        Some(ClaimView::Committed {
+            hook_id: "hook-1".into(),
+            expires_in_ms: 60_000,
+        })
+    );
+    // Expired and not yet swept: held, but no longer a claim on the key.
+    let after = T0 + 1_000 + c.ttl_ms * 1_000;
+    let view = state.inspect(after, Some(&event("evt-1")));
+    assert_eq!((view.claims_held, view.claim), (1, None));
+}
+
+#[test]
+fn inspect_requests_are_validated() {
+    let valid = InspectRequest {
+        tenant: TENANT.into(),
+        claim: Some(event("evt-1")),
+    };
+    assert_eq!(valid.validate(), Ok(()));
+    let no_tenant = InspectRequest {
+        tenant: String::new(),
+        ..valid.clone()
+    };
+    assert_eq!(
+        no_tenant.validate(),
+        Err(InvalidRequest::Empty {
+            field: "tenant".into()
+        })
+    );
+    let huge_key = InspectRequest {
+        claim: Some(event(&"k".repeat(limits::MAX_KEY + 1))),
+        ..valid
+    };
+    assert_eq!(
+        huge_key.validate(),
+        Err(InvalidRequest::TooLong {
+            field: "key".into(),
+            len: limits::MAX_KEY + 1,
+            max: limits::MAX_KEY,
+        })
+    );
 }
 
 // ---------------------------------------------------------------- snapshots

@@ -25,7 +25,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ankusa_actors::{HitOutcome, HitRequest, SettleOutcome, SettleRequest};
+use ankusa_actors::{
+    HitOutcome, HitRequest, InspectRequest, SettleOutcome, SettleRequest, TenantView,
+};
 use async_nats::connection::State;
 use async_nats::Subject;
 use bytes::Bytes;
@@ -284,6 +286,21 @@ impl FleetStore {
 
     pub fn shard_of(&self, tenant: &str) -> u32 {
         shard_of(tenant, self.inner.shards)
+    }
+
+    /// What the node serving `req.tenant`'s shard holds for it, changing
+    /// nothing: an operator's read, so it has no local answer to degrade to.
+    pub async fn inspect(
+        &self,
+        req: InspectRequest,
+        timeout: Duration,
+    ) -> Result<TenantView, StoreError> {
+        req.validate()?;
+        let shard = self.shard_of(&req.tenant);
+        match self.call(shard, Op::Inspect(req), timeout).await? {
+            ReplyBody::Inspect(view) => Ok(view),
+            other => Err(StoreError::unexpected("inspect", other)),
+        }
     }
 
     /// Sends `op` to its tenant's shard and waits for its reply body, all

@@ -8,7 +8,10 @@
 //! vectors there are checked against it. Decoding never panics: every way a
 //! payload can be wrong is a [`DecodeError`].
 
-use ankusa_actors::{HitOutcome, HitRequest, InvalidRequest, SettleOutcome, SettleRequest};
+use ankusa_actors::{
+    HitOutcome, HitRequest, InspectRequest, InvalidRequest, SettleOutcome, SettleRequest,
+    TenantView,
+};
 use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks.
@@ -43,6 +46,9 @@ pub enum Op {
     Reset {
         tenant: String,
     },
+    /// Read a tenant's state without changing it, for operators. A node that
+    /// predates it answers `malformed`.
+    Inspect(InspectRequest),
     /// Several requests for one shard in one message, answered in order. A batch
     /// may not contain a batch.
     Batch(Vec<Request>),
@@ -66,6 +72,7 @@ pub enum ReplyBody {
     Hit(HitOutcome),
     Settle(SettleOutcome),
     Reset,
+    Inspect(TenantView),
     Batch(Vec<Reply>),
     Error(ErrorReply),
 }
@@ -215,7 +222,7 @@ fn frame_version(payload: &[u8]) -> Option<u64> {
 impl Op {
     /// Every operation's wire name, in declaration order: `NAMES[op.index()]`
     /// is `op.name()`.
-    pub const NAMES: [&'static str; 4] = ["hit", "settle", "reset", "batch"];
+    pub const NAMES: [&'static str; 5] = ["hit", "settle", "reset", "inspect", "batch"];
 
     /// The operation's wire name, for logs and metrics.
     pub fn name(&self) -> &'static str {
@@ -228,7 +235,8 @@ impl Op {
             Op::Hit(_) => 0,
             Op::Settle(_) => 1,
             Op::Reset { .. } => 2,
-            Op::Batch(_) => 3,
+            Op::Inspect(_) => 3,
+            Op::Batch(_) => 4,
         }
     }
 }
@@ -331,6 +339,7 @@ impl Request {
             Op::Reset { tenant } => {
                 ankusa_actors::types::validate_tenant(tenant).map_err(ErrorReply::invalid)
             }
+            Op::Inspect(inspect) => inspect.validate().map_err(ErrorReply::invalid),
             Op::Batch(items) => Self::validate_batch(items),
         }
     }
@@ -359,6 +368,7 @@ impl Request {
             Op::Hit(hit) => Some(hit.tenant()),
             Op::Settle(settle) => Some(&settle.claim.tenant),
             Op::Reset { tenant } => Some(tenant),
+            Op::Inspect(inspect) => Some(&inspect.tenant),
             Op::Batch(_) => None,
         }
     }

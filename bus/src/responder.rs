@@ -30,7 +30,7 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use ankusa_actors::actor::{Reply as ActorReply, ShardHandle, ShardMsg};
-use ankusa_actors::{Changes, HitOutcome, Refused, SettleOutcome, TenantRequest};
+use ankusa_actors::{Changes, HitOutcome, Refused, SettleOutcome, TenantRequest, TenantView};
 use futures::StreamExt;
 use tokio::sync::{oneshot, watch, Notify};
 use tokio::task::JoinHandle;
@@ -664,17 +664,19 @@ enum Answered {
     RateLimited,
     Settled,
     Reset,
+    Inspected,
 }
 
 impl Answered {
     /// Every result, in declaration order: `ALL[r as usize] == r`.
-    const ALL: [Answered; 6] = [
+    const ALL: [Answered; 7] = [
         Answered::Ok,
         Answered::Duplicate,
         Answered::Pending,
         Answered::RateLimited,
         Answered::Settled,
         Answered::Reset,
+        Answered::Inspected,
     ];
 
     fn label(self) -> &'static str {
@@ -685,6 +687,7 @@ impl Answered {
             Answered::RateLimited => "rate_limited",
             Answered::Settled => "settled",
             Answered::Reset => "reset",
+            Answered::Inspected => "inspected",
         }
     }
 }
@@ -707,6 +710,7 @@ impl Tally {
             },
             ReplyBody::Settle(_) => Answered::Settled,
             ReplyBody::Reset => Answered::Reset,
+            ReplyBody::Inspect(_) => Answered::Inspected,
             ReplyBody::Batch(items) => {
                 items.iter().for_each(|item| self.add(&item.body));
                 return;
@@ -742,6 +746,7 @@ enum Pending {
     Hit(ActorAnswer<HitOutcome>, Place),
     Settle(ActorAnswer<SettleOutcome>, Place),
     Reset(oneshot::Receiver<Result<Changes, Refused>>, Place),
+    Inspect(oneshot::Receiver<Result<TenantView, Refused>>, Place),
 }
 
 type ActorAnswer<T> = oneshot::Receiver<ActorReply<T>>;
@@ -763,6 +768,12 @@ impl Pending {
             Pending::Reset(rx, place) => {
                 (rx.await.map(|r| r.map(|c| (ReplyBody::Reset, c))), place)
             }
+            // A read changes nothing, so it waits for no write.
+            Pending::Inspect(rx, place) => (
+                rx.await
+                    .map(|r| r.map(|view| (ReplyBody::Inspect(view), Changes::default()))),
+                place,
+            ),
         };
         match result {
             Ok(Ok((body, changes))) => Answer::after(body, Durable { place, changes }),
@@ -962,6 +973,18 @@ fn hand_over(ctx: &ShardContext, request: Request, received: Instant) -> Pending
                 return Pending::Now(unavailable("shard actor is not running"));
             }
             Pending::Reset(rx, place)
+        }
+        Op::Inspect(req) => {
+            let place = place(&req.tenant);
+            let (reply, rx) = oneshot::channel();
+            let msg = ShardMsg::Inspect {
+                req,
+                reply: reply.into(),
+            };
+            if ctx.actors.actor().cast(msg).is_err() {
+                return Pending::Now(unavailable("shard actor is not running"));
+            }
+            Pending::Inspect(rx, place)
         }
         // Admitted requests hold no batch inside a batch.
         Op::Batch(_) => Pending::Now(ReplyBody::Error(ErrorReply::new(

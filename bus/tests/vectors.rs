@@ -17,8 +17,8 @@
 use std::collections::BTreeMap;
 
 use ankusa_actors::{
-    Charge, Claim, HitOutcome, HitRequest, InvalidRequest, Kind, SettleOutcome, SettleRequest,
-    Settlement,
+    BucketView, Charge, Claim, ClaimView, EventKey, HitOutcome, HitRequest, InspectRequest,
+    InvalidRequest, Kind, SettleOutcome, SettleRequest, Settlement, TenantView,
 };
 use ankusa_bus::protocol::{
     DecodeError, ErrorCode, ErrorReply, Op, Reply, ReplyBody, Request, MAX_REQUEST_BYTES,
@@ -117,6 +117,19 @@ fn reset(timeout_ms: u64) -> Request {
     )
 }
 
+fn inspect() -> Request {
+    Request::new(
+        1000,
+        Op::Inspect(InspectRequest {
+            tenant: "acme".into(),
+            claim: Some(EventKey {
+                source_id: "stripe".into(),
+                key: "evt_1NqX".into(),
+            }),
+        }),
+    )
+}
+
 fn reply(body: ReplyBody) -> Frame {
     Frame::Reply(Reply::new(body))
 }
@@ -144,6 +157,8 @@ fn expected() -> BTreeMap<&'static str, Frame> {
         ("request-reset", Frame::Request(reset(1000))),
         ("request-batch", Frame::Request(batch())),
         ("request-batch-compact", Frame::CompactRequest(batch())),
+        ("request-inspect", Frame::Request(inspect())),
+        ("request-inspect-compact", Frame::CompactRequest(inspect())),
         ("reply-hit-ok", reply(ReplyBody::Hit(HitOutcome::Ok))),
         (
             "reply-hit-duplicate",
@@ -182,6 +197,32 @@ fn expected() -> BTreeMap<&'static str, Frame> {
             reply(ReplyBody::Settle(SettleOutcome::AlreadyCommitted)),
         ),
         ("reply-reset", reply(ReplyBody::Reset)),
+        (
+            "reply-inspect",
+            reply(ReplyBody::Inspect(TenantView {
+                buckets: vec![BucketView {
+                    kind: Kind::Hooks,
+                    ahead_us: 150_000,
+                }],
+                claims_held: 3,
+                claim: Some(ClaimView::Pending {
+                    hook_id: "hk_01".into(),
+                    node: "edge-a".into(),
+                    expires_in_ms: 29_500,
+                }),
+            })),
+        ),
+        (
+            "reply-inspect-committed",
+            reply(ReplyBody::Inspect(TenantView {
+                buckets: vec![],
+                claims_held: 1,
+                claim: Some(ClaimView::Committed {
+                    hook_id: "hk_01".into(),
+                    expires_in_ms: 86_399_000,
+                }),
+            })),
+        ),
         (
             "reply-batch",
             reply(ReplyBody::Batch(vec![

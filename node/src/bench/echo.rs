@@ -173,6 +173,7 @@ fn ok_body(op: &Op) -> ReplyBody {
         Op::Hit(_) => ReplyBody::Hit(HitOutcome::Ok),
         Op::Settle(_) => ReplyBody::Settle(SettleOutcome::Ok),
         Op::Reset { .. } => ReplyBody::Reset,
+        Op::Inspect(_) => ReplyBody::Inspect(Default::default()),
         Op::Batch(items) => ReplyBody::Batch(
             items
                 .iter()

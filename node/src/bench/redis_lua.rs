@@ -81,11 +81,7 @@ fn section(name: &'static str) -> Result<&'static str, RedisLuaError> {
 
 /// `ankusa:{<tenant>}:b:<kind>`: the hash tag keeps a tenant's keys in one slot.
 fn bucket_key(tenant: &str, kind: Kind) -> String {
-    let kind = match kind {
-        Kind::Hooks => "hooks",
-        Kind::Bytes => "bytes",
-    };
-    format!("ankusa:{{{tenant}}}:b:{kind}")
+    format!("ankusa:{{{tenant}}}:b:{}", kind.name())
 }
 
 /// `ankusa:{<tenant>}:c:<len(source_id)>:<source_id><key>`, unambiguous for any bytes.

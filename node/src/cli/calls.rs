@@ -1,19 +1,30 @@
-//! `ankusa hit`, `settle` and `reset`: one call each through the edge client
-//! ([`FleetStore`], no local degrade: a person asking wants the fleet's answer
-//! or the error), printed for people or as JSON.
+//! `ankusa hit`, `settle`, `reset` and `inspect`: one call each through the
+//! edge client ([`FleetStore`], no local degrade: a person asking wants the
+//! fleet's answer or the error), printed for people or as JSON.
 
 use std::time::{Duration, Instant};
 
 use ankusa_actors::{
-    Charge, Claim, HitOutcome, HitRequest, Kind, SettleOutcome, SettleRequest, Settlement,
+    Charge, Claim, ClaimView, EventKey, HitOutcome, HitRequest, InspectRequest, Kind,
+    SettleOutcome, SettleRequest, Settlement, TenantView,
 };
-use ankusa_bus::Store;
+use ankusa_bus::{FleetStore, Store};
 use clap::Args;
 use serde_json::json;
 
 use super::{fmt_latency, fmt_retry, CliError, Global};
 
 const CALL_TIMEOUT: Duration = Duration::from_millis(1000);
+
+/// An edge client once connected, and what is left of the call's budget: the
+/// connection comes up in the background, and waiting for it is part of the call.
+async fn connected(global: &Global) -> Result<(FleetStore, Duration), CliError> {
+    let store = global.fleet(false).await?;
+    let timeout = global.timeout(CALL_TIMEOUT);
+    let start = Instant::now();
+    super::wait_connected(store.nats(), timeout).await?;
+    Ok((store, timeout.saturating_sub(start.elapsed())))
+}
 
 /// The claim a hit makes or a settle settles.
 #[derive(Debug, Clone, Args)]
@@ -143,12 +154,7 @@ pub fn describe_hit(outcome: &HitOutcome, latency: Duration) -> String {
 
 pub async fn hit(global: &Global, args: HitArgs) -> Result<(), CliError> {
     let req = args.request()?;
-    let store = global.fleet(false).await?;
-    let timeout = global.timeout(CALL_TIMEOUT);
-    // The connection comes up in the background; give it the call's budget.
-    let start = Instant::now();
-    super::wait_connected(store.nats(), timeout).await?;
-    let left = timeout.saturating_sub(start.elapsed());
+    let (store, left) = connected(global).await?;
     let sent = Instant::now();
     let outcome = store.hit(req, left).await?;
     let latency = sent.elapsed();
@@ -205,14 +211,9 @@ pub async fn settle(global: &Global, args: SettleArgs) -> Result<(), CliError> {
     };
     req.validate()
         .map_err(|e| CliError::Usage(format!("the request would be refused: {e}")))?;
-    let store = global.fleet(false).await?;
-    let timeout = global.timeout(CALL_TIMEOUT);
-    let start = Instant::now();
-    super::wait_connected(store.nats(), timeout).await?;
+    let (store, left) = connected(global).await?;
     let sent = Instant::now();
-    let outcome = store
-        .settle(req, timeout.saturating_sub(start.elapsed()))
-        .await?;
+    let outcome = store.settle(req, left).await?;
     let latency = sent.elapsed();
     if args.json {
         let mut value = serde_json::to_value(&outcome).unwrap_or_default();
@@ -237,14 +238,9 @@ pub struct ResetArgs {
 pub async fn reset(global: &Global, args: ResetArgs) -> Result<(), CliError> {
     ankusa_actors::types::validate_tenant(&args.tenant)
         .map_err(|e| CliError::Usage(e.to_string()))?;
-    let store = global.fleet(false).await?;
-    let timeout = global.timeout(CALL_TIMEOUT);
-    let start = Instant::now();
-    super::wait_connected(store.nats(), timeout).await?;
+    let (store, left) = connected(global).await?;
     let sent = Instant::now();
-    store
-        .reset(args.tenant, timeout.saturating_sub(start.elapsed()))
-        .await?;
+    store.reset(args.tenant, left).await?;
     let latency = sent.elapsed();
     if args.json {
         println!(
@@ -253,6 +249,86 @@ pub async fn reset(global: &Global, args: ResetArgs) -> Result<(), CliError> {
         );
     } else {
         println!("ok (fleet, {})", fmt_latency(latency));
+    }
+    Ok(())
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct InspectArgs {
+    /// The tenant to read
+    #[arg(long)]
+    pub tenant: String,
+    /// Also show the claim on this provider's --key
+    #[arg(long = "source", requires = "key")]
+    pub source: Option<String>,
+    /// The provider's event key whose claim to show
+    #[arg(long, requires = "source")]
+    pub key: Option<String>,
+    /// Print the answer as JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The lines a person reads for a tenant's state.
+pub fn describe_view(view: &TenantView, asked: Option<&EventKey>) -> Vec<String> {
+    let mut lines = Vec::new();
+    for kind in Kind::ALL {
+        let name = kind.name();
+        lines.push(match view.buckets.iter().find(|b| b.kind == kind) {
+            Some(b) => format!(
+                "{name}: {} ahead of now (a charge passes while ahead + increment <= capacity)",
+                fmt_latency(Duration::from_micros(b.ahead_us))
+            ),
+            None => format!("{name}: full"),
+        });
+    }
+    lines.push(format!(
+        "claims held: {} (expired ones count until swept)",
+        view.claims_held
+    ));
+    if let Some(event) = asked {
+        let what = format!("claim {}/{}", event.source_id, event.key);
+        lines.push(match &view.claim {
+            None => format!("{what}: none live"),
+            Some(ClaimView::Pending {
+                hook_id,
+                node,
+                expires_in_ms,
+            }) => format!(
+                "{what}: pending, hook {hook_id} on {node}, expires in {}",
+                fmt_retry(*expires_in_ms)
+            ),
+            Some(ClaimView::Committed {
+                hook_id,
+                expires_in_ms,
+            }) => format!(
+                "{what}: committed by hook {hook_id}, kept {} more",
+                fmt_retry(*expires_in_ms)
+            ),
+        });
+    }
+    lines
+}
+
+pub async fn inspect(global: &Global, args: InspectArgs) -> Result<(), CliError> {
+    let claim = match (args.source, args.key) {
+        (Some(source_id), Some(key)) => Some(EventKey { source_id, key }),
+        _ => None,
+    };
+    let req = InspectRequest {
+        tenant: args.tenant,
+        claim,
+    };
+    req.validate()
+        .map_err(|e| CliError::Usage(format!("the request would be refused: {e}")))?;
+    let (store, left) = connected(global).await?;
+    let view = store.inspect(req.clone(), left).await?;
+    if args.json {
+        println!("{}", serde_json::to_value(&view).unwrap_or_default());
+    } else {
+        for line in describe_view(&view, req.claim.as_ref()) {
+            println!("{line}");
+        }
     }
     Ok(())
 }

@@ -152,6 +152,8 @@ pub enum Command {
     Settle(calls::SettleArgs),
     /// Forget a tenant's buckets (best effort)
     Reset(calls::ResetArgs),
+    /// Read a tenant's buckets and, with --source and --key, the claim on a key
+    Inspect(calls::InspectArgs),
     /// Nodes, the shard map (who owns what) and each node's gauges
     Status(status::StatusArgs),
     /// Load generator: the fleet alone, or side by side with the baselines
@@ -215,6 +217,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         Command::Hit(args) => calls::hit(&cli.global, args).await,
         Command::Settle(args) => calls::settle(&cli.global, args).await,
         Command::Reset(args) => calls::reset(&cli.global, args).await,
+        Command::Inspect(args) => calls::inspect(&cli.global, args).await,
         Command::Status(args) => status::status(&cli.global, args).await,
         Command::Bench(args) => bench::bench(&cli.global, args).await,
     }
