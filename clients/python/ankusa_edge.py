@@ -4,6 +4,7 @@ An edge asks the fleet, over NATS request-reply with MessagePack payloads,
 whether a webhook may pass: a *hit* charges the tenant's rate-limit buckets and
 claims the provider's event key (dedupe), a *settle* commits or releases that
 claim once the hook's fate is known, and a *reset* forgets a tenant's buckets.
+An *inspect* reads a tenant's state for an operator, changing nothing.
 
 The specification is ``docs/protocol.md`` (wire protocol, version 1) in the
 ankusa-fleet repository; this module is written from it alone, section numbers
@@ -14,16 +15,17 @@ What it implements:
 
 - ``shard_of``: the shard function (§2).
 - Dataclasses for the request records (``Charge``, ``Claim``, ``Hit``,
-  ``Settle``, ``Reset``) and ``encode_request``, which writes the map form by
+  ``Settle``, ``Reset``, ``Inspect`` with its ``EventKey``) and ``encode_request``, which writes the map form by
   default and the compact form on request (§3, §5); ``EdgeClient`` sends the
   map form unless built with ``compact=True``.
 - ``decode_reply``: replies (§6) to dataclasses (``HitOk``, ``Duplicate``,
   ``Pending``, ``RateLimited``, ``SettleOk``, ``NotFound``, ``NotOwner``,
-  ``AlreadyCommitted``, ``ResetDone``, ``ErrorReply``), ignoring unknown keys.
+  ``AlreadyCommitted``, ``ResetDone``, ``TenantView``, ``ErrorReply``),
+  ignoring unknown keys.
 - ``StoreError`` and its subclasses: every way a call can fail, grouped as §9
   groups them: ``RequestError`` (the request is at fault: report it, do not
   resend or degrade) and ``FleetError`` (the fleet could not answer: degrade).
-- ``EdgeClient``: ``hit``, ``settle`` and ``reset`` over a connected nats-py
+- ``EdgeClient``: ``hit``, ``settle``, ``reset`` and ``inspect`` over a connected nats-py
   client, each within a hard budget, resending on NATS "no responders" as §9
   says; ``batch`` sends many of them as one ``batch`` message per shard (§5.5).
 
@@ -69,10 +71,12 @@ __all__ = [
     "Duplicate",
     "EdgeClient",
     "ErrorReply",
+    "EventKey",
     "FleetError",
     "FleetRefused",
     "Hit",
     "HitOk",
+    "Inspect",
     "InvalidRequest",
     "MalformedRequest",
     "NoResponders",
@@ -88,6 +92,7 @@ __all__ = [
     "Settle",
     "SettleOk",
     "StoreError",
+    "TenantView",
     "Timeout",
     "UndecodableReply",
     "UnsupportedVersion",
@@ -216,7 +221,23 @@ class Reset:
     tenant: str
 
 
-Op = Hit | Settle | Reset
+@dataclass(frozen=True)
+class EventKey:
+    """A provider event key as a claim names it: ``key`` within ``source_id`` (§5.6)."""
+
+    source_id: str
+    key: str
+
+
+@dataclass(frozen=True)
+class Inspect:
+    """Read a tenant's state and, with ``claim``, the claim on that key (§5.6)."""
+
+    tenant: str
+    claim: EventKey | None = None
+
+
+Op = Hit | Settle | Reset | Inspect
 
 
 @dataclass(frozen=True)
@@ -268,6 +289,15 @@ def _op_record(op: Op, compact: bool) -> dict:
         }
     if isinstance(op, Reset):
         return {"reset": [op.tenant] if compact else {"tenant": op.tenant}}
+    if isinstance(op, Inspect):
+        event = op.claim
+        if event is None:
+            key = None
+        elif compact:
+            key = [event.source_id, event.key]
+        else:
+            key = {"source_id": event.source_id, "key": event.key}
+        return {"inspect": [op.tenant, key] if compact else {"tenant": op.tenant, "claim": key}}
     raise TypeError(f"not a request operation: {op!r}")
 
 
@@ -350,6 +380,15 @@ def _check_shape(op: Op) -> None:
             )
     elif isinstance(op, Reset):
         _check_str("tenant", op.tenant)
+    elif isinstance(op, Inspect):
+        _check_str("tenant", op.tenant)
+        if op.claim is not None:
+            if not isinstance(op.claim, EventKey):
+                raise MalformedRequest(
+                    f"an inspected key must be an EventKey, not {type(op.claim).__name__}"
+                )
+            _check_str("source_id", op.claim.source_id)
+            _check_str("key", op.claim.key)
     else:
         raise TypeError(f"not a request operation: {op!r}")
 
@@ -445,6 +484,13 @@ def validate(op: Op) -> None:
         reason = _hit_rules(op)
     elif isinstance(op, Settle):
         reason = _claim_rules(op.claim)
+    elif isinstance(op, Inspect) and op.claim is not None:
+        event = op.claim
+        reason = _first(
+            lambda: _text_rule("tenant", op.tenant, _MAX_TENANT),
+            lambda: _text_rule("source_id", event.source_id, _MAX_SOURCE_ID),
+            lambda: _text_rule("key", event.key, _MAX_KEY),
+        )
     else:
         reason = _text_rule("tenant", op.tenant, _MAX_TENANT)
     if reason is not None:
@@ -543,6 +589,37 @@ class ResetDone:
 
 
 @dataclass(frozen=True)
+class BucketView:
+    """A bucket that is not full: its TAT is ``ahead_us`` past the node's now,
+    so a charge passes while ``ahead_us + increment_us <= capacity_us`` (§6.5)."""
+
+    kind: str  # HOOKS or BYTES
+    ahead_us: int
+
+
+@dataclass(frozen=True)
+class ClaimView:
+    """The live claim on an inspected key: ``state`` is ``"pending"`` (``node``
+    holds it in flight) or ``"committed"``; it expires in ``expires_in_ms`` (§6.5)."""
+
+    state: str
+    hook_id: str
+    expires_in_ms: int
+    node: str | None = None
+
+
+@dataclass(frozen=True)
+class TenantView:
+    """What a node holds for a tenant (the ``inspect`` body, §6.5): its buckets
+    that are not full, the claims it holds, and the claim on the key asked about."""
+
+    buckets: tuple
+    claims_held: int
+    claim: ClaimView | None = None
+    result: ClassVar[str] = "inspect"
+
+
+@dataclass(frozen=True)
 class ErrorReply:
     """A request the node did not carry out; nothing was changed, except
     after ``unavailable``, whose request may have taken effect (§6.4)."""
@@ -572,6 +649,8 @@ def outcome_view(outcome: Any) -> Any:
     """An outcome in its wire shape: ``{"result": ..., <fields>}``."""
     if isinstance(outcome, ResetDone):
         return "reset"
+    if isinstance(outcome, TenantView):
+        return _tenant_view_record(outcome)
     view = {"result": outcome.result}
     view.update(outcome.__dict__)
     return view
@@ -584,6 +663,8 @@ def reply_view(reply: Reply) -> dict:
         body_view: Any = "reset"
     elif isinstance(body, list):
         body_view = {"batch": [reply_view(r) for r in body]}
+    elif isinstance(body, TenantView):
+        body_view = {"inspect": _tenant_view_record(body)}
     elif isinstance(body, ErrorReply):
         error = {"code": body.code, "message": body.message}
         if body.invalid is not None:
@@ -598,6 +679,21 @@ def reply_view(reply: Reply) -> dict:
     if reply.node is not None:
         view["node"] = reply.node
     return view
+
+
+def _tenant_view_record(view: TenantView) -> dict:
+    claim = None
+    if view.claim is not None:
+        c = view.claim
+        claim = {"state": c.state, "hook_id": c.hook_id}
+        if c.node is not None:
+            claim["node"] = c.node
+        claim["expires_in_ms"] = c.expires_in_ms
+    return {
+        "buckets": [{"kind": b.kind, "ahead_us": b.ahead_us} for b in view.buckets],
+        "claims_held": view.claims_held,
+        "claim": claim,
+    }
 
 
 def _typed(value: Any, kind: str, what: str) -> Any:
@@ -651,6 +747,28 @@ def _settle_outcome(rec: Any) -> SettleOutcome:
     raise UndecodableReply(f"unknown settle result {result!r}")
 
 
+def _tenant_view(rec: Any) -> TenantView:
+    if not isinstance(rec, dict):
+        raise UndecodableReply("a tenant view is not a map")
+    buckets = []
+    for b in _field(rec, "buckets", "array"):
+        if not isinstance(b, dict):
+            raise UndecodableReply("a bucket view is not a map")
+        buckets.append(BucketView(_field(b, "kind", "str"), _field(b, "ahead_us", "u64")))
+    claim = _field(rec, "claim", "map", optional=True)
+    if claim is not None:
+        state = _field(claim, "state", "str")
+        if state not in ("pending", "committed"):
+            raise UndecodableReply(f"unknown claim state {state!r}")
+        claim = ClaimView(
+            state=state,
+            hook_id=_field(claim, "hook_id", "str"),
+            expires_in_ms=_field(claim, "expires_in_ms", "u64"),
+            node=_field(claim, "node", "str", optional=state == "committed"),
+        )
+    return TenantView(tuple(buckets), _field(rec, "claims_held", "u64"), claim)
+
+
 def _error_reply(rec: Any) -> ErrorReply:
     if not isinstance(rec, dict):
         raise UndecodableReply("an error is not a map")
@@ -688,6 +806,8 @@ def _reply(value: Any) -> Reply:
             parsed = _settle_outcome(rec)
         elif name == "error":
             parsed = _error_reply(rec)
+        elif name == "inspect":
+            parsed = _tenant_view(rec)
         elif name == "batch":
             if not isinstance(rec, list):
                 raise UndecodableReply("a batch reply is not an array")
@@ -830,11 +950,13 @@ _OUTCOMES = {
     "hit": (HitOk, Duplicate, Pending, RateLimited),
     "settle": (SettleOk, NotFound, NotOwner, AlreadyCommitted),
     "reset": (ResetDone,),
+    "inspect": (TenantView,),
 }
 
 
 def _name(op: Op) -> str:
-    return "hit" if isinstance(op, Hit) else "settle" if isinstance(op, Settle) else "reset"
+    names = {Hit: "hit", Settle: "settle", Reset: "reset", Inspect: "inspect"}
+    return names[type(op)]
 
 
 def _outcome(body: Any, name: str) -> Any:
@@ -886,6 +1008,13 @@ class EdgeClient:
     async def reset(self, tenant: str, *, timeout_ms: int) -> ResetDone:
         """Forgets ``tenant``'s buckets (§7.3)."""
         return await self._call(Reset(tenant), "reset", timeout_ms)
+
+    async def inspect(
+        self, tenant: str, claim: EventKey | None = None, *, timeout_ms: int
+    ) -> TenantView:
+        """Reads ``tenant``'s state and the claim on ``claim``'s key, changing
+        nothing (§7.4). For operators: it has no local answer to degrade to."""
+        return await self._call(Inspect(tenant, claim), "inspect", timeout_ms)
 
     async def _call(self, op: Op, name: str, timeout_ms: int) -> Any:
         reply = await self.request(op, timeout_ms=timeout_ms)
@@ -1113,6 +1242,10 @@ def _request_from_view(view: Any) -> tuple:
         return Settle(claim(c), settlement), timeout_ms, compact
     if name == "reset":
         return record(Reset, rec), timeout_ms, compact
+    if name == "inspect":
+        tenant, event = rec if compact else (rec["tenant"], rec.get("claim"))
+        event = None if event is None else record(EventKey, event)
+        return Inspect(tenant, event), timeout_ms, compact
     raise ValueError(f"unknown operation {name!r}")
 
 
@@ -1308,11 +1441,15 @@ async def _scenario(nc: Any, args: argparse.Namespace) -> None:
     await run("settle-not-owner", edge.settle(claim(k1, h2), RELEASE, timeout_ms=budget))
     await run("release-committed", edge.settle(claim(k1, h1), RELEASE, timeout_ms=budget))
     await run("settle-not-found", edge.settle(claim(f"{p}-never", h1), COMMIT, timeout_ms=budget))
+    event_1 = EventKey(args.source, k1)
+    await run("inspect-committed", edge.inspect(tenant, event_1, timeout_ms=budget))
 
     # A claim left pending blocks its key for other hooks, not for itself.
     await run("hit-claim-pending", edge.hit(roomy, claim(k2, h3), timeout_ms=budget))
     await run("hit-pending", edge.hit(roomy, claim(k2, h4), timeout_ms=budget), hook_id=h4)
     await run("hit-replay", edge.hit(roomy, claim(k2, h3), timeout_ms=budget), hook_id=h3)
+    event_2 = EventKey(args.source, k2)
+    await run("inspect-pending", edge.inspect(tenant, event_2, timeout_ms=budget))
     await run("release-pending", edge.settle(claim(k2, h3), RELEASE, timeout_ms=budget))
     await run("hit-after-release", edge.hit(roomy, claim(k2, h4), timeout_ms=budget))
 
@@ -1321,6 +1458,7 @@ async def _scenario(nc: Any, args: argparse.Namespace) -> None:
     tight = [Charge(HOOKS, tight_tenant, 60_000_000, 60_000_000)]
     await run("tight-1", edge.hit(tight, timeout_ms=budget), tenant=tight_tenant)
     await run("tight-2", edge.hit(tight, timeout_ms=budget), tenant=tight_tenant)
+    await run("inspect-tight", edge.inspect(tight_tenant, timeout_ms=budget))
     await run("reset", edge.reset(tight_tenant, timeout_ms=budget), tenant=tight_tenant)
     await run("tight-after-reset", edge.hit(tight, timeout_ms=budget), tenant=tight_tenant)
 

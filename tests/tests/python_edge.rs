@@ -456,6 +456,12 @@ async fn python_edge_against_a_live_fleet() {
         );
         s.expect_outcome("release-committed", json!({"result": "already_committed"}));
         s.expect_outcome("settle-not-found", json!({"result": "not_found"}));
+        let committed = s.outcome("inspect-committed");
+        assert_eq!(committed["claim"]["state"], "committed", "{}", s.all);
+        assert_eq!(committed["claim"]["hook_id"], h1.as_str(), "{}", s.all);
+        let kept = s.number(&committed["claim"]["expires_in_ms"], "the commit's expiry");
+        assert!((590_000..=600_000).contains(&kept), "{}", s.all);
+        assert!(s.number(&committed["claims_held"], "claims held") >= 1, "{}", s.all);
 
         s.expect_outcome("hit-claim-pending", json!({"result": "ok"}));
         let pending = s.outcome("hit-pending");
@@ -464,6 +470,10 @@ async fn python_edge_against_a_live_fleet() {
         assert!((1..=30_000).contains(&wait), "{}", s.all);
         assert_eq!(s.step("hit-replay")["hook_id"], h3.as_str(), "{}", s.all);
         s.expect_outcome("hit-replay", json!({"result": "ok"}));
+        let held = &s.outcome("inspect-pending")["claim"];
+        assert_eq!(held["state"], "pending", "{}", s.all);
+        assert_eq!(held["hook_id"], h3.as_str(), "{}", s.all);
+        assert_eq!(held["node"], format!("{prefix}-edge").as_str(), "{}", s.all);
         s.expect_outcome("release-pending", json!({"result": "ok"}));
         s.expect_outcome("hit-after-release", json!({"result": "ok"}));
 
@@ -472,6 +482,12 @@ async fn python_edge_against_a_live_fleet() {
         assert_eq!(limited["result"], "rate_limited", "{}", s.all);
         let wait = s.number(&limited["retry_after_ms"], "rate_limited's retry_after_ms");
         assert!((50_000..=60_000).contains(&wait), "{}", s.all);
+        // The bucket the second hit met: one minute ahead, less what has passed.
+        let tight = s.outcome("inspect-tight");
+        assert_eq!(tight["buckets"][0]["kind"], "hooks", "{}", s.all);
+        let ahead = s.number(&tight["buckets"][0]["ahead_us"], "the bucket's lead");
+        assert!((50_000_000..=60_000_000).contains(&ahead), "{}", s.all);
+        assert_eq!(tight["claim"], Value::Null, "{}", s.all);
         s.expect_outcome("reset", json!("reset"));
         s.expect_outcome("tight-after-reset", json!({"result": "ok"}));
 
