@@ -12,7 +12,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
-use ankusa_actors::{HitOutcome, SettleOutcome, Settlement};
+use ankusa_actors::{ClaimView, EventKey, HitOutcome, InspectRequest, SettleOutcome, Settlement};
 use ankusa_bus::kv::{within, FleetKv, Heartbeat, LeaseError};
 use ankusa_bus::protocol::{ErrorCode, Op, Reply, ReplyBody, Request};
 use ankusa_bus::{
@@ -301,6 +301,26 @@ async fn joins_and_leaves_move_only_the_expected_shards() {
     drop((a, b));
 }
 
+/// The claim `inspect` shows on each of `keys` of `tenant`, as "state hook".
+async fn claims_shown(store: &FleetStore, tenant: &str, keys: &[&str]) -> Vec<Option<String>> {
+    let mut shown = Vec::new();
+    for key in keys {
+        let req = InspectRequest {
+            tenant: tenant.into(),
+            claim: Some(EventKey {
+                source_id: "src".into(),
+                key: (*key).into(),
+            }),
+        };
+        let view = store.inspect(req, T).await.expect("inspect answered");
+        shown.push(view.claim.map(|claim| match claim {
+            ClaimView::Pending { hook_id, .. } => format!("pending {hook_id}"),
+            ClaimView::Committed { hook_id, .. } => format!("committed {hook_id}"),
+        }));
+    }
+    shown
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_survive_kill_9_of_their_owner() {
     let nats = NatsServer::start().await.expect("nats");
@@ -346,6 +366,16 @@ async fn claims_survive_kill_9_of_their_owner() {
             .await,
         Ok(SettleOutcome::Ok)
     );
+    let keys = ["committed", "pending", "released"];
+    let before = claims_shown(&store, &tenant, &keys).await;
+    assert_eq!(
+        before,
+        [
+            Some("committed h1".to_string()),
+            Some("pending h2".to_string()),
+            None
+        ]
+    );
 
     let index = nodes
         .iter()
@@ -374,6 +404,8 @@ async fn claims_survive_kill_9_of_their_owner() {
             hook_id: "h1".into()
         })
     );
+    // The new owner shows what the old one did: its state came from KV.
+    assert_eq!(claims_shown(&store, &tenant, &keys).await, before);
     match store.hit(hit(&tenant, "pending", "h8"), T).await {
         Ok(HitOutcome::Pending { retry_after_ms }) => assert!(retry_after_ms >= 1),
         other => panic!("pending claim after failover: {other:?}"),

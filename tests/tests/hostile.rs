@@ -17,7 +17,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ankusa_actors::{Charge, HitOutcome, HitRequest, Kind, SettleOutcome, Settlement};
+use ankusa_actors::{
+    Charge, EventKey, HitOutcome, HitRequest, InspectRequest, Kind, SettleOutcome, Settlement,
+};
 use ankusa_bus::protocol::{ErrorCode, Op, Reply, ReplyBody, Request, MAX_BATCH};
 use ankusa_bus::{shard_of, FleetConfig, FleetStore, NatsOptions, Store, StoreError, Subjects};
 use ankusa_tests::requests::{claim, hit, settle};
@@ -363,6 +365,20 @@ impl Corpus {
                     Expect::Code(Invalid),
                 )
             }
+            // An operator's read against the rules too: an empty source.
+            32 => {
+                let bad = InspectRequest {
+                    tenant: self.flood.clone(),
+                    claim: Some(EventKey {
+                        source_id: String::new(),
+                        key: "k".into(),
+                    }),
+                };
+                self.shot(
+                    Request::new(100, Op::Inspect(bad)).encode_compact(),
+                    Expect::Code(Invalid),
+                )
+            }
             // A batch inside a batch.
             30 => {
                 let inner = Request::new(100, Op::Batch(vec![]));
@@ -386,7 +402,7 @@ impl Corpus {
 const EXPIRING_BATCH: usize = 32;
 
 /// Varieties `Corpus::pick` knows, the last being random bytes.
-const VARIETIES: usize = 32;
+const VARIETIES: usize = 34;
 
 /// The variety of message `i`: each in turn, except that the two big ones (a
 /// 70 KiB payload, a 40 000-deep nesting) come only every fourth round and random

@@ -461,7 +461,11 @@ async fn python_edge_against_a_live_fleet() {
         assert_eq!(committed["claim"]["hook_id"], h1.as_str(), "{}", s.all);
         let kept = s.number(&committed["claim"]["expires_in_ms"], "the commit's expiry");
         assert!((590_000..=600_000).contains(&kept), "{}", s.all);
-        assert!(s.number(&committed["claims_held"], "claims held") >= 1, "{}", s.all);
+        assert!(
+            s.number(&committed["claims_held"], "claims held") >= 1,
+            "{}",
+            s.all
+        );
 
         s.expect_outcome("hit-claim-pending", json!({"result": "ok"}));
         let pending = s.outcome("hit-pending");
