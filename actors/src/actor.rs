@@ -83,9 +83,11 @@ pub type SettleJob = Job<SettleRequest, SettleOutcome>;
 pub enum TenantMsg {
     Hit(HitJob),
     Settle(SettleJob),
-    Reset(RpcReplyPort<Changes>),
-    /// Read the state, and the claim on the event key if any.
-    Inspect(Option<EventKey>, RpcReplyPort<TenantView>),
+    /// Forget the buckets; answered to the caller of the shard directly.
+    Reset(RpcReplyPort<Result<Changes, Refused>>),
+    /// Read the state, and the claim on the event key if any; answered to the
+    /// caller of the shard directly.
+    Inspect(Option<EventKey>, RpcReplyPort<Result<TenantView, Refused>>),
     /// Sweep expired claims, unless a sweep is under way.
     Sweep,
     /// The next step of the sweep under way, queued behind the requests that
@@ -268,10 +270,10 @@ impl Actor for TenantActor {
                 let _ = job.reply.send(Ok(applied));
             }
             TenantMsg::Reset(reply) => {
-                let _ = reply.send(me.state.reset());
+                let _ = reply.send(Ok(me.state.reset()));
             }
             TenantMsg::Inspect(event, reply) => {
-                let _ = reply.send(me.state.inspect(now, event.as_ref()));
+                let _ = reply.send(Ok(me.state.inspect(now, event.as_ref())));
             }
             TenantMsg::Sweep if me.sweeping => {}
             TenantMsg::Sweep | TenantMsg::SweepOn => {
@@ -540,6 +542,24 @@ impl ShardState {
         self.running.read().get(tenant).map(|t| t.actor.clone())
     }
 
+    /// Hands a reset or an inspect to the tenant's actor, which answers its
+    /// caller: the shard does not wait on a busy tenant. One the actor can no
+    /// longer take is answered `Unavailable` here.
+    fn forward(&self, actor: &ActorRef<TenantMsg>, msg: TenantMsg) {
+        if let Err(MessagingErr::SendErr(msg)) = actor.cast(msg) {
+            match msg {
+                TenantMsg::Reset(reply) => {
+                    let _ = reply.send(Err(Refused::Unavailable));
+                }
+                TenantMsg::Inspect(_, reply) => {
+                    let _ = reply.send(Err(Refused::Unavailable));
+                }
+                // Nothing else is forwarded.
+                _ => {}
+            }
+        }
+    }
+
     async fn tick(&mut self) {
         let now = self.config.clock.now_us();
         let idle_us = self.config.idle_after.as_micros() as u64;
@@ -708,17 +728,15 @@ impl Actor for ShardActor {
                     let _ = reply.send(Err(why.into()));
                     return Ok(());
                 }
-                let changes = if let Some(actor) = state.active(&tenant) {
-                    match actor.call(TenantMsg::Reset, None).await {
-                        Ok(CallResult::Success(changes)) => Ok(changes),
-                        _ => Err(Refused::Unavailable),
-                    }
-                } else if let Some(parked) = state.parked.get_mut(tenant.as_str()) {
-                    Ok(parked.reset())
-                } else {
-                    Ok(TenantState::default().reset())
+                if let Some(actor) = state.active(&tenant) {
+                    state.forward(&actor, TenantMsg::Reset(reply));
+                    return Ok(());
+                }
+                let changes = match state.parked.get_mut(tenant.as_str()) {
+                    Some(parked) => parked.reset(),
+                    None => TenantState::default().reset(),
                 };
-                let _ = reply.send(changes);
+                let _ = reply.send(Ok(changes));
             }
             ShardMsg::Inspect { req, reply } => {
                 if let Err(why) = req.validate() {
@@ -726,20 +744,15 @@ impl Actor for ShardActor {
                     return Ok(());
                 }
                 let InspectRequest { tenant, claim } = req;
-                let view = if let Some(actor) = state.active(&tenant) {
-                    match actor
-                        .call(|port| TenantMsg::Inspect(claim, port), None)
-                        .await
-                    {
-                        Ok(CallResult::Success(view)) => Ok(view),
-                        _ => Err(Refused::Unavailable),
-                    }
-                } else if let Some(parked) = state.parked.get(tenant.as_str()) {
-                    Ok(parked.inspect(state.config.clock.now_us(), claim.as_ref()))
-                } else {
-                    Ok(TenantView::default())
+                if let Some(actor) = state.active(&tenant) {
+                    state.forward(&actor, TenantMsg::Inspect(claim, reply));
+                    return Ok(());
+                }
+                let view = match state.parked.get(tenant.as_str()) {
+                    Some(parked) => parked.inspect(state.config.clock.now_us(), claim.as_ref()),
+                    None => TenantView::default(),
                 };
-                let _ = reply.send(view);
+                let _ = reply.send(Ok(view));
             }
             ShardMsg::Tick => state.tick().await,
             ShardMsg::Absorb(tenants) => absorb(state, tenants),

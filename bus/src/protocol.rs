@@ -588,8 +588,13 @@ mod tests {
                 settlement: ankusa_actors::Settlement::Commit,
             }),
             Op::Reset { tenant: "t".into() },
+            Op::Inspect(InspectRequest {
+                tenant: "t".into(),
+                claim: None,
+            }),
             Op::Batch(vec![hit()]),
         ];
+        assert_eq!(ops.len(), Op::NAMES.len());
         for (index, op) in ops.iter().enumerate() {
             assert_eq!(op.index(), index);
             assert_eq!(op.name(), Op::NAMES[index]);

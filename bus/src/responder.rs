@@ -1030,6 +1030,7 @@ mod tests {
             items.into_iter().map(Reply::new).collect(),
         ));
         tally.add(&ReplyBody::Reset);
+        tally.add(&ReplyBody::Inspect(Default::default()));
         assert!(Answered::ALL
             .iter()
             .enumerate()
@@ -1047,7 +1048,8 @@ mod tests {
                 ("pending", 0),
                 ("rate_limited", 1),
                 ("settled", 1),
-                ("reset", 1)
+                ("reset", 1),
+                ("inspected", 1)
             ]
         );
         assert_eq!(

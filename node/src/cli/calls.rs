@@ -338,6 +338,41 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_tenant_view_reads_well() {
+        let view = TenantView {
+            buckets: vec![ankusa_actors::BucketView {
+                kind: Kind::Bytes,
+                ahead_us: 2_500,
+            }],
+            claims_held: 4,
+            claim: Some(ClaimView::Pending {
+                hook_id: "h1".into(),
+                node: "edge-a".into(),
+                expires_in_ms: 28_100,
+            }),
+        };
+        let event = EventKey {
+            source_id: "stripe".into(),
+            key: "evt_1".into(),
+        };
+        assert_eq!(
+            describe_view(&view, Some(&event)),
+            [
+                "hooks: full",
+                "bytes: 2.5 ms ahead of now (a charge passes while ahead + increment <= capacity)",
+                "claims held: 4 (expired ones count until swept)",
+                "claim stripe/evt_1: pending, hook h1 on edge-a, expires in 29 s",
+            ]
+        );
+        let none = describe_view(&TenantView::default(), Some(&event));
+        assert_eq!(
+            none.last().map(String::as_str),
+            Some("claim stripe/evt_1: none live")
+        );
+        assert_eq!(describe_view(&TenantView::default(), None).len(), 3);
+    }
+
+    #[test]
     fn outcomes_read_well() {
         let ms = Duration::from_micros(1200);
         assert_eq!(describe_hit(&HitOutcome::Ok, ms), "ok (fleet, 1.2 ms)");
