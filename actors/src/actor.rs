@@ -3,7 +3,9 @@
 //!
 //! A request for a tenant whose actor runs goes straight to that actor
 //! ([`ShardHandle::send`]); only a tenant without one goes through the shard
-//! actor, which starts it. The shard actor is the only one that adds or removes
+//! actor, which starts it. A reset or an inspect goes through the shard actor,
+//! which answers it for a parked tenant and forwards it to a running one's
+//! actor, so the shard never waits on a busy tenant. The shard actor is the only one that adds or removes
 //! running tenants, and a handle casts while it holds the map's read lock, so a
 //! job handed to a tenant always lands in its mailbox before the shard's own
 //! message retiring it.
