@@ -3,7 +3,7 @@
 //! uncertain commits, and an edge answering locally) must pass.
 
 use ankusa_actors::{HitOutcome, SettleOutcome, Settlement};
-use ankusa_tests::checker::{check, check_with_stalls, Attribution, CheckerConfig, Rule};
+use ankusa_tests::checker::{check, check_with_stalls, Attribution, CheckerConfig, Report, Rule};
 use ankusa_tests::history::{
     Answered, CallResult, ClaimRef, ErrorKind, Event, FaultEvent, FaultKind, Micros, OpKind,
 };
@@ -17,6 +17,11 @@ fn config() -> CheckerConfig {
         shards: 2,
         ..CheckerConfig::default()
     }
+}
+
+/// Asserts the checker found `want` violations of `rule`, showing its report if not.
+fn expect_violations(report: &Report, rule: Rule, want: usize) {
+    assert_eq!(report.violations_of(rule), want, "{}", report.render());
 }
 
 fn claim(key: &str, hook: &str) -> ClaimRef {
@@ -105,12 +110,7 @@ fn a_duplicate_without_any_commit_is_a_lost_webhook() {
         hit("b", "k", "h2", 20, dup("h1")),
     ];
     let report = check(&events, &[], &config());
-    assert_eq!(
-        report.violations_of(Rule::LostWebhook),
-        1,
-        "{}",
-        report.render()
-    );
+    expect_violations(&report, Rule::LostWebhook, 1);
     // The report names the violating Duplicate.
     assert_eq!(report.violations[0].events[0].hook_id(), Some("h2"));
 }
@@ -130,12 +130,7 @@ fn a_duplicate_naming_a_hook_whose_commit_was_refused_is_lost() {
         hit("b", "k", "h2", 20, dup("h1")),
     ];
     let report = check(&events, &[], &config());
-    assert_eq!(
-        report.violations_of(Rule::LostWebhook),
-        1,
-        "{}",
-        report.render()
-    );
+    expect_violations(&report, Rule::LostWebhook, 1);
 }
 
 #[test]
@@ -146,12 +141,7 @@ fn a_duplicate_before_the_commit_was_invoked_is_lost() {
         settle("a", "k", "h1", Settlement::Commit, 10, settled()),
     ];
     let report = check(&events, &[], &config());
-    assert_eq!(
-        report.violations_of(Rule::LostWebhook),
-        1,
-        "{}",
-        report.render()
-    );
+    expect_violations(&report, Rule::LostWebhook, 1);
 }
 
 #[test]
@@ -165,12 +155,7 @@ fn a_duplicate_after_a_successful_release_is_lost() {
         hit("b", "k", "h2", 400, dup("h1")),
     ];
     let report = check(&events, &[], &config());
-    assert_eq!(
-        report.violations_of(Rule::LostWebhook),
-        1,
-        "{}",
-        report.render()
-    );
+    expect_violations(&report, Rule::LostWebhook, 1);
 }
 
 #[test]
@@ -195,12 +180,7 @@ fn a_second_accept_of_a_committed_key_is_a_double_accept() {
     let mut events = committed_then_duplicate();
     events.push(hit("c", "k", "h3", 100, ok()));
     let report = check(&events, &[], &config());
-    assert_eq!(
-        report.violations_of(Rule::DoubleAccept),
-        1,
-        "{}",
-        report.render()
-    );
+    expect_violations(&report, Rule::DoubleAccept, 1);
 }
 
 #[test]
@@ -233,12 +213,7 @@ fn a_second_accept_that_may_have_taken_effect_after_the_expiry_is_fine() {
         ..hit("b", "p", "h5", 2_950, ok())
     });
     let report = check(&events, &[], &config());
-    assert_eq!(
-        report.violations_of(Rule::DoubleAccept),
-        2,
-        "{}",
-        report.render()
-    );
+    expect_violations(&report, Rule::DoubleAccept, 2);
 }
 
 #[test]
@@ -267,12 +242,7 @@ fn a_retried_commit_keeps_the_expiry_of_the_attempt_that_timed_out() {
     let refused = CallResult::Settle(SettleOutcome::NotFound, Answered::Fleet);
     for first in [None, Some(refused)] {
         let report = check(&history(first), &[], &config());
-        assert_eq!(
-            report.violations_of(Rule::DoubleAccept),
-            1,
-            "{}",
-            report.render()
-        );
+        expect_violations(&report, Rule::DoubleAccept, 1);
     }
 }
 
@@ -280,12 +250,7 @@ fn a_retried_commit_keeps_the_expiry_of_the_attempt_that_timed_out() {
 fn a_second_accept_while_the_first_is_pending_is_a_double_accept() {
     let events = vec![hit("a", "k", "h1", 0, ok()), hit("b", "k", "h2", 100, ok())];
     let report = check(&events, &[], &config());
-    assert_eq!(
-        report.violations_of(Rule::DoubleAccept),
-        1,
-        "{}",
-        report.render()
-    );
+    expect_violations(&report, Rule::DoubleAccept, 1);
 }
 
 #[test]
@@ -364,12 +329,7 @@ fn a_double_accept_inside_a_fault_window_is_attributed_not_a_violation() {
         ..hit("c", "other", "h4", 1_100, ok())
     });
     let report = check(&late, &faults, &config());
-    assert_eq!(
-        report.violations_of(Rule::DoubleAccept),
-        1,
-        "{}",
-        report.render()
-    );
+    expect_violations(&report, Rule::DoubleAccept, 1);
 }
 
 #[test]
@@ -397,12 +357,7 @@ fn a_late_call_breaks_the_deadline_unless_the_process_was_stalled() {
         ..hit("c", "x", "h9", 1_000, ok())
     });
     let report = check(&events, &[], &config());
-    assert_eq!(
-        report.violations_of(Rule::Deadline),
-        1,
-        "{}",
-        report.render()
-    );
+    expect_violations(&report, Rule::Deadline, 1);
     assert_eq!(report.worst_overrun, 30 * MS as i64);
 
     // 10 ms of it with the whole process descheduled: within the slack.
@@ -470,12 +425,7 @@ fn too_many_accepts_break_the_rate_limit() {
     // allows at most 5 + 1 ms / 100 ms).
     let events = tight_run(7, |_| 0, |_| Answered::Fleet);
     let report = check(&events, &[], &config());
-    assert_eq!(
-        report.violations_of(Rule::RateLimit),
-        1,
-        "{}",
-        report.render()
-    );
+    expect_violations(&report, Rule::RateLimit, 1);
 
     // Twice the rate for a while, after the burst.
     let events = tight_run(30, |i| i * 50, |_| Answered::Fleet);
@@ -518,12 +468,7 @@ fn a_fault_or_a_local_edge_allows_one_more_burst() {
     let mut events = tight_run(16, |_| 0, |_| Answered::Fleet);
     events.extend(both_shards(1_500));
     let report = check(&events, &faults, &config());
-    assert_eq!(
-        report.violations_of(Rule::RateLimit),
-        1,
-        "{}",
-        report.render()
-    );
+    expect_violations(&report, Rule::RateLimit, 1);
 }
 
 #[test]
@@ -543,12 +488,7 @@ fn every_shard_must_answer_again_after_the_last_fault() {
         },
     ];
     let report = check(&events, &faults, &config());
-    assert_eq!(
-        report.violations_of(Rule::Recovery),
-        1,
-        "{}",
-        report.render()
-    );
+    expect_violations(&report, Rule::Recovery, 1);
 
     // Shard 1 answers only after the bound.
     let mut late = events.clone();
@@ -557,12 +497,7 @@ fn every_shard_must_answer_again_after_the_last_fault() {
         ..hit("a", "k2", "h3", 12_000, ok())
     });
     let report = check(&late, &faults, &config());
-    assert_eq!(
-        report.violations_of(Rule::Recovery),
-        1,
-        "{}",
-        report.render()
-    );
+    expect_violations(&report, Rule::Recovery, 1);
 
     // Within the bound: recovered, and the time is reported.
     let mut good = events.clone();
@@ -580,12 +515,7 @@ fn every_shard_must_answer_again_after_the_last_fault() {
         ..faults[0].clone()
     }];
     let report = check(&good, &open, &config());
-    assert_eq!(
-        report.violations_of(Rule::Recovery),
-        1,
-        "{}",
-        report.render()
-    );
+    expect_violations(&report, Rule::Recovery, 1);
 }
 
 #[test]
@@ -605,12 +535,7 @@ fn a_degraded_edge_must_come_back_to_the_fleet() {
         CallResult::Hit(HitOutcome::Ok, Answered::Local),
     ));
     let report = check(&events, &faults, &config());
-    assert_eq!(
-        report.violations_of(Rule::Recovery),
-        1,
-        "{}",
-        report.render()
-    );
+    expect_violations(&report, Rule::Recovery, 1);
 
     events.push(hit("edge", "e2", "h4", 1_600, ok()));
     let report = check(&events, &faults, &config());
@@ -642,12 +567,7 @@ fn every_shard_must_answer_again_after_each_fault_not_only_the_last() {
         ..hit("a", "k1", "h2", 13_000, ok())
     });
     let report = check(&events, &faults, &config());
-    assert_eq!(
-        report.violations_of(Rule::Recovery),
-        1,
-        "{}",
-        report.render()
-    );
+    expect_violations(&report, Rule::Recovery, 1);
     assert_eq!(report.recovery_by_fault[0], None);
     assert_eq!(report.recovery_by_fault[1], Some(101 * MS));
 
