@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 use ankusa_actors::actor::{Reply as ActorReply, ShardHandle, ShardMsg};
 use ankusa_actors::{Changes, HitOutcome, Refused, SettleOutcome, TenantRequest, TenantView};
 use futures::StreamExt;
+use ractor::RpcReplyPort;
 use tokio::sync::{oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 
@@ -964,27 +965,17 @@ fn hand_over(ctx: &ShardContext, request: Request, received: Instant) -> Pending
         }
         Op::Reset { tenant } => {
             let place = place(&tenant);
-            let (reply, rx) = oneshot::channel();
-            let msg = ShardMsg::Reset {
-                tenant,
-                reply: reply.into(),
-            };
-            if ctx.actors.actor().cast(msg).is_err() {
-                return Pending::Now(unavailable("shard actor is not running"));
+            match ask_shard_actor(ctx, |reply| ShardMsg::Reset { tenant, reply }) {
+                Some(rx) => Pending::Reset(rx, place),
+                None => Pending::Now(unavailable("shard actor is not running")),
             }
-            Pending::Reset(rx, place)
         }
         Op::Inspect(req) => {
             let place = place(&req.tenant);
-            let (reply, rx) = oneshot::channel();
-            let msg = ShardMsg::Inspect {
-                req,
-                reply: reply.into(),
-            };
-            if ctx.actors.actor().cast(msg).is_err() {
-                return Pending::Now(unavailable("shard actor is not running"));
+            match ask_shard_actor(ctx, |reply| ShardMsg::Inspect { req, reply }) {
+                Some(rx) => Pending::Inspect(rx, place),
+                None => Pending::Now(unavailable("shard actor is not running")),
             }
-            Pending::Inspect(rx, place)
         }
         // Admitted requests hold no batch inside a batch.
         Op::Batch(_) => Pending::Now(ReplyBody::Error(ErrorReply::new(
@@ -992,6 +983,16 @@ fn hand_over(ctx: &ShardContext, request: Request, received: Instant) -> Pending
             "a batch inside a batch",
         ))),
     }
+}
+
+/// Sends the shard's actor the message `ask` makes around a reply port, and
+/// returns where its answer will come; `None` if the actor is not running.
+fn ask_shard_actor<T>(
+    ctx: &ShardContext,
+    ask: impl FnOnce(RpcReplyPort<Result<T, Refused>>) -> ShardMsg,
+) -> Option<oneshot::Receiver<Result<T, Refused>>> {
+    let (reply, rx) = oneshot::channel();
+    ctx.actors.actor().cast(ask(reply.into())).ok().map(|()| rx)
 }
 
 #[cfg(test)]
