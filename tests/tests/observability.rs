@@ -98,12 +98,14 @@ async fn metrics_health_and_readiness() {
     }
 
     // What operators are told to watch is what a node exports: every metric
-    // in the alerting rules and in the operations guide's table.
+    // in the alerting rules, the dashboard and the operations guide's table.
+    let dashboard = read_repo_file("deploy/grafana/ankusa-fleet.json");
+    let alerts = read_repo_file("deploy/prometheus/alerts.yml");
+    check_queries("the dashboard", dashboard_queries(&dashboard), 20);
+    check_queries("the alerting rules", alert_queries(&alerts), 10);
     for (source, text) in [
-        (
-            "deploy/prometheus/alerts.yml",
-            read_repo_file("deploy/prometheus/alerts.yml"),
-        ),
+        ("deploy/prometheus/alerts.yml", alerts),
+        ("deploy/grafana/ankusa-fleet.json", dashboard),
         ("docs/operations.md", read_repo_file("docs/operations.md")),
     ] {
         let named = metric_names(&text);
@@ -126,6 +128,70 @@ async fn metrics_health_and_readiness() {
     .await;
     assert!(unready.is_ok(), "readyz stayed ready without NATS");
     assert_eq!(node.http("/healthz").await.expect("healthz").0, 200);
+}
+
+/// The queries of the dashboard (JSON Grafana imports): every panel but a
+/// row queries something, and only the fleet chosen in its `job` variable.
+fn dashboard_queries(text: &str) -> Vec<String> {
+    let dashboard: serde_json::Value = serde_json::from_str(text).expect("the dashboard is JSON");
+    let panels = dashboard["panels"].as_array().expect("panels");
+    let mut queries = Vec::new();
+    for panel in panels.iter().filter(|p| p["type"] != "row") {
+        let exprs: Vec<&str> = panel["targets"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|t| t["expr"].as_str())
+            .collect();
+        assert!(
+            !exprs.is_empty(),
+            "panel {} queries nothing",
+            panel["title"]
+        );
+        for expr in exprs {
+            assert!(
+                expr.contains("job=~\"$job\""),
+                "panel {}: {expr} is not limited to the chosen fleet",
+                panel["title"]
+            );
+            // What Grafana puts in place of its variables before querying.
+            queries.push(
+                expr.replace("$__rate_interval", "1m")
+                    .replace("$job", "ankusa"),
+            );
+        }
+    }
+    queries
+}
+
+/// The `expr` of every rule in the alerting rules file.
+fn alert_queries(text: &str) -> Vec<String> {
+    let rules: serde_yaml_ng::Value = serde_yaml_ng::from_str(text).expect("the rules are YAML");
+    let groups = rules["groups"].as_sequence().expect("groups");
+    groups
+        .iter()
+        .flat_map(|group| group["rules"].as_sequence().expect("rules").iter())
+        .map(|rule| {
+            rule["expr"]
+                .as_str()
+                .expect("each rule has an expr")
+                .to_string()
+        })
+        .collect()
+}
+
+/// Every query is PromQL Prometheus would accept, and there are at least `min`.
+fn check_queries(source: &str, queries: Vec<String>, min: usize) {
+    assert!(
+        queries.len() >= min,
+        "{source} has only {} queries",
+        queries.len()
+    );
+    for query in &queries {
+        if let Err(err) = promql_parser::parser::parse(query) {
+            panic!("{source}: `{query}` is not PromQL: {err}");
+        }
+    }
 }
 
 /// The `ankusa_*` metric names in `text`, a histogram's series
