@@ -29,14 +29,19 @@ What it implements:
   client, each within a hard budget, resending on NATS "no responders" as §9
   says; ``batch`` sends many of them as one ``batch`` message per shard (§5.5).
 
+- ``DegradingEdge``: the local degrade of §9 over an ``EdgeClient``: on an
+  outage a hit is answered from this process's ``LocalStore`` (the same
+  rules, this process's buckets and claims), a ``CircuitBreaker`` stops
+  trying a fleet that keeps failing, and each ``Answer`` says who gave it.
+
 Not implemented: node subjects (§5.5; optional, the shard subjects alone are
-a complete protocol) and the local degrade of §9 (an edge's own buckets and
-dedupe index), which is the caller's: a ``FleetError`` is the signal to
-degrade.
+a complete protocol).
 
 Run as a program, it checks itself against the spec (``vectors``), prints
-shards (``shard``) and runs a scripted sequence against a live fleet
-(``scenario``); see ``--help``.
+shards (``shard``), runs a scripted sequence against a live fleet
+(``scenario``) and replays timed requests on a ``LocalStore``
+(``local-replay``, which the Rust tests compare with the node's rules); see
+``--help``.
 """
 
 from __future__ import annotations
@@ -64,9 +69,12 @@ __all__ = [
     "PROTOCOL_VERSION",
     "RELEASE",
     "AlreadyCommitted",
+    "Answer",
     "Batch",
     "Charge",
+    "CircuitBreaker",
     "Claim",
+    "DegradingEdge",
     "Disconnected",
     "Duplicate",
     "EdgeClient",
@@ -78,6 +86,7 @@ __all__ = [
     "HitOk",
     "Inspect",
     "InvalidRequest",
+    "LocalStore",
     "MalformedRequest",
     "NoResponders",
     "NotFound",
@@ -1155,6 +1164,320 @@ class EdgeClient:
 
 
 # ---------------------------------------------------------------------------
+# §9 Degrade: the edge's own buckets and claims
+# ---------------------------------------------------------------------------
+
+
+def _retry_ms(us: int) -> int:
+    """A wait in µs as a retry hint: whole ms, rounded up, at least 1 (§7.1)."""
+    return max(1, -(-us // 1000))
+
+
+def wall_clock_us() -> Callable[[], int]:
+    """Unix µs read from the wall clock once and carried by the monotonic one,
+    so that a step of the host's clock neither empties nor refills buckets."""
+    anchor_us = time.time_ns() // 1000
+    start_ns = time.monotonic_ns()
+    return lambda: anchor_us + (time.monotonic_ns() - start_ns) // 1000
+
+
+@dataclass
+class _LocalClaim:
+    hook_id: str
+    node: str
+    committed: bool
+    expires_us: int
+
+
+@dataclass
+class _LocalTenant:
+    tats: dict
+    claims: dict  # (source_id, key) -> _LocalClaim
+
+    def live(self, source_id: str, key: str, now_us: int) -> _LocalClaim | None:
+        entry = self.claims.get((source_id, key))
+        return entry if entry is not None and entry.expires_us > now_us else None
+
+    def is_empty(self, now_us: int) -> bool:
+        return all(t <= now_us for t in self.tats.values()) and not any(
+            c.expires_us > now_us for c in self.claims.values()
+        )
+
+
+class LocalStore:
+    """This process's own buckets and claims, which a ``DegradingEdge`` answers
+    from when the fleet cannot (§9). The rules are §7's, applied by this
+    process alone, so local answers are safe in one direction only: a tenant
+    may get its quota once per edge during an outage, and a hook committed on
+    the fleet before it may be accepted again (a duplicate delivery).
+    ``Duplicate`` is only answered for a claim committed here.
+
+    ``clock`` returns unix µs. At most ``max_tenants`` are kept: a new tenant
+    past that first drops the tenants that hold nothing, then the least
+    recently used eighth, which can only admit more, never answer
+    ``Duplicate``. Requests must have passed ``validate``."""
+
+    def __init__(self, *, max_tenants: int = 100_000, clock: Callable[[], int] | None = None):
+        self._clock = clock or wall_clock_us()
+        self._max_tenants = max(1, max_tenants)
+        self._tenants: dict[str, _LocalTenant] = {}
+
+    def __len__(self) -> int:
+        return len(self._tenants)
+
+    def _tenant(self, name: str) -> _LocalTenant:
+        tenant = self._tenants.pop(name, None)  # re-inserted last: most recently used
+        if tenant is None:
+            if len(self._tenants) >= self._max_tenants:
+                self._make_room()
+            tenant = _LocalTenant({HOOKS: 0, BYTES: 0}, {})
+        self._tenants[name] = tenant
+        return tenant
+
+    def _make_room(self) -> None:
+        self.sweep()
+        if len(self._tenants) >= self._max_tenants:
+            for name in list(self._tenants)[: max(1, self._max_tenants // 8)]:
+                del self._tenants[name]
+
+    def hit(self, op: Hit) -> HitOutcome:
+        """§7.1, in its order: a replay of an own pending claim, the charges
+        all or nothing, a taken key, then the charges and the claim."""
+        now = self._clock()
+        tenant = self._tenant(op.tenant)
+        claim = op.claim
+        held = tenant.live(claim.source_id, claim.key, now) if claim else None
+        if held and not held.committed and held.hook_id == claim.hook_id:
+            return HitOk()
+        new_tats = dict(tenant.tats)
+        wait_us = None
+        for c in op.charges:
+            tat = max(tenant.tats[c.kind], now) + c.increment_us
+            if tat <= now + c.capacity_us:
+                new_tats[c.kind] = tat
+            else:
+                wait_us = max(wait_us or 0, tat - (now + c.capacity_us))
+        if wait_us is not None:
+            return RateLimited(_retry_ms(wait_us))
+        if held:
+            if held.committed:
+                return Duplicate(held.hook_id)
+            return Pending(_retry_ms(held.expires_us - now))
+        if claim:
+            tenant.claims[(claim.source_id, claim.key)] = _LocalClaim(
+                claim.hook_id, claim.node, False, now + claim.pending_ttl_ms * 1000
+            )
+        tenant.tats = new_tats
+        return HitOk()
+
+    def settle(self, op: Settle) -> SettleOutcome:
+        """§7.2: only the hook holding the key settles it."""
+        now = self._clock()
+        claim = op.claim
+        tenant = self._tenants.get(claim.tenant)
+        held = tenant.live(claim.source_id, claim.key, now) if tenant else None
+        if held is None:
+            return NotFound()
+        if held.hook_id != claim.hook_id:
+            return NotOwner(held.hook_id)
+        if op.settlement == RELEASE:
+            if held.committed:
+                return AlreadyCommitted()
+            del tenant.claims[(claim.source_id, claim.key)]
+        elif not held.committed:
+            held.committed = True
+            held.expires_us = now + claim.ttl_ms * 1000
+        return SettleOk()
+
+    def reset(self, tenant: str) -> ResetDone:
+        """§7.3: both buckets full again; claims stay."""
+        state = self._tenants.get(tenant)
+        if state is not None:
+            state.tats = {HOOKS: 0, BYTES: 0}
+        return ResetDone()
+
+    def holds_claim(self, tenant: str, source_id: str, key: str, hook_id: str | None = None) -> bool:
+        """Whether a live claim on the key was made here (by ``hook_id``, if
+        given): such a claim lives here until it expires, since the fleet
+        never saw it."""
+        state = self._tenants.get(tenant)
+        held = state.live(source_id, key, self._clock()) if state else None
+        return held is not None and hook_id in (None, held.hook_id)
+
+    def sweep(self) -> int:
+        """Drops expired claims and tenants that hold nothing; returns the
+        claims dropped."""
+        now = self._clock()
+        dropped = 0
+        for name in list(self._tenants):
+            tenant = self._tenants[name]
+            expired = [k for k, c in tenant.claims.items() if c.expires_us <= now]
+            for k in expired:
+                del tenant.claims[k]
+            dropped += len(expired)
+            if tenant.is_empty(now):
+                del self._tenants[name]
+        return dropped
+
+
+class CircuitBreaker:
+    """Whether to try the fleet at all. Closed, every call goes; after
+    ``failure_threshold`` outages in a row it opens for ``base_backoff_s``,
+    refusing every call at once; then one call probes, which closes it on
+    success or reopens it with the backoff doubled, up to ``max_backoff_s``.
+    ``clock`` is monotonic seconds."""
+
+    def __init__(
+        self,
+        *,
+        failure_threshold: int = 5,
+        base_backoff_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._threshold = max(1, failure_threshold)
+        self._base = base_backoff_s
+        self._max = max_backoff_s
+        self._clock = clock
+        self._failures = 0
+        self._backoff = base_backoff_s
+        self._open_until: float | None = None
+        self._probing = False
+
+    @property
+    def state(self) -> str:
+        if self._probing:
+            return "half_open"
+        return "closed" if self._open_until is None else "open"
+
+    def admit(self) -> bool:
+        """Whether this call may go to the fleet; a call admitted must be
+        ``record``-ed."""
+        if self._open_until is None:
+            return True
+        if self._probing or self._clock() < self._open_until:
+            return False
+        self._probing = True
+        return True
+
+    def record(self, up: bool) -> None:
+        """The admitted call's result: ``up`` unless it met an outage."""
+        was_probe, self._probing = self._probing, False
+        if up:
+            self._failures, self._backoff, self._open_until = 0, self._base, None
+            return
+        self._failures += 1
+        if was_probe:
+            self._backoff = min(self._backoff * 2, self._max)
+        elif self._failures < self._threshold or self._open_until is not None:
+            return
+        self._open_until = self._clock() + self._backoff
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An outcome and who gave it: ``source`` is ``"fleet"`` or ``"local"``,
+    and for a local one ``reason`` says why (``breaker_open``, ``timeout``,
+    ``no_responders``, ``disconnected``, ``node_error``, ``bad_reply``,
+    ``local_claim``)."""
+
+    outcome: Any
+    source: str = "fleet"
+    reason: str | None = None
+
+
+def _outage_reason(e: FleetError) -> str:
+    for cls, reason in (
+        (Timeout, "timeout"),
+        (NoResponders, "no_responders"),
+        (Disconnected, "disconnected"),
+        (FleetRefused, "node_error"),
+        (UndecodableReply, "bad_reply"),
+    ):
+        if isinstance(e, cls):
+            return reason
+    return "transport"
+
+
+class DegradingEdge:
+    """An ``EdgeClient`` that degrades as §9 says: on an outage (any
+    ``FleetError``) a hit is answered from this process's ``LocalStore``,
+    within the same budget, and the ``Answer`` says so. A request the node
+    refuses as the request's fault (``RequestError``) is raised, never
+    degraded. A claim made locally stays local until it expires: later hits
+    on its key and its settle are answered here. A settle of a fleet claim
+    goes to the fleet only; during an outage its ``FleetError`` is raised
+    (committing locally a claim the fleet holds could answer ``Duplicate``
+    for a hook nobody stored). A reset is applied locally always and sent to
+    the fleet best effort. ``reserve_ms`` of each budget (at most a tenth)
+    is kept for the local answer."""
+
+    def __init__(
+        self,
+        edge: EdgeClient,
+        *,
+        local: LocalStore | None = None,
+        breaker: CircuitBreaker | None = None,
+        reserve_ms: int = 1,
+    ):
+        self.edge = edge
+        self.local = local or LocalStore()
+        self.breaker = breaker or CircuitBreaker()
+        self._reserve_ms = reserve_ms
+
+    async def hit(
+        self, charges: Sequence[Charge], claim: Claim | None = None, *, timeout_ms: int
+    ) -> Answer:
+        op = Hit(tuple(charges), claim)
+        validate(op)
+        if claim and self.local.holds_claim(claim.tenant, claim.source_id, claim.key):
+            return Answer(self.local.hit(op), "local", "local_claim")
+        fleet = await self._fleet(self.edge.hit(op.charges, claim, timeout_ms=self._budget(timeout_ms)))
+        if isinstance(fleet, Answer):
+            return fleet
+        return Answer(self.local.hit(op), "local", fleet)
+
+    async def settle(self, claim: Claim, settlement: str, *, timeout_ms: int) -> Answer:
+        op = Settle(claim, settlement)
+        validate(op)
+        if self.local.holds_claim(claim.tenant, claim.source_id, claim.key, claim.hook_id):
+            return Answer(self.local.settle(op), "local", "local_claim")
+        fleet = await self._fleet(
+            self.edge.settle(claim, settlement, timeout_ms=self._budget(timeout_ms)), raise_outage=True
+        )
+        if isinstance(fleet, Answer):
+            return fleet
+        raise FleetError("circuit breaker open: the fleet was not tried")
+
+    async def reset(self, tenant: str, *, timeout_ms: int) -> Answer:
+        validate(Reset(tenant))
+        self.local.reset(tenant)
+        fleet = await self._fleet(self.edge.reset(tenant, timeout_ms=self._budget(timeout_ms)))
+        return fleet if isinstance(fleet, Answer) else Answer(ResetDone(), "local", fleet)
+
+    def _budget(self, timeout_ms: int) -> int:
+        return timeout_ms - min(self._reserve_ms, timeout_ms // 10)
+
+    async def _fleet(self, call: Any, *, raise_outage: bool = False) -> Answer | str:
+        """The fleet's ``Answer``, or the reason to answer locally."""
+        if not self.breaker.admit():
+            call.close()  # never awaited: the fleet is not tried
+            return "breaker_open"
+        try:
+            outcome = await call
+        except FleetError as e:
+            self.breaker.record(False)
+            if raise_outage:
+                raise
+            return _outage_reason(e)
+        except RequestError:
+            self.breaker.record(True)  # the fleet answered: it is up
+            raise
+        self.breaker.record(True)
+        return Answer(outcome)
+
+
+# ---------------------------------------------------------------------------
 # Command line: vectors, shard, scenario
 # ---------------------------------------------------------------------------
 
@@ -1557,6 +1880,31 @@ async def _scenario(nc: Any, args: argparse.Namespace) -> None:
     void = EdgeClient(nc, void_instance, args.shards, compact=args.compact)
     await run("no-responders", void.reset("acme", timeout_ms=300), budget_ms=300)
 
+    # §9, degrading: the fleet answers while it can; on an instance nobody
+    # serves, this process's own state does, and the breaker stops trying.
+    async def answered(step: str, call) -> None:
+        try:
+            answer = await call
+        except StoreError as e:
+            emit(step, error=_error_view(e))
+        else:
+            emit(step, outcome=outcome_view(answer.outcome), source=answer.source, reason=answer.reason)
+
+    kd, kl = f"{p}-evt-d", f"{p}-evt-l"
+    live = DegradingEdge(edge)
+    await answered("degrade-fleet-hit", live.hit(roomy, claim(kd, h1), timeout_ms=budget))
+    await answered("degrade-fleet-commit", live.settle(claim(kd, h1), COMMIT, timeout_ms=budget))
+    out = DegradingEdge(void, breaker=CircuitBreaker(failure_threshold=2, base_backoff_s=60))
+    await answered("degrade-out-hit", out.hit(roomy, claim(kl, h1), timeout_ms=100))
+    # The key the fleet committed is unknown here: accepted again (a
+    # duplicate delivery, never a lost one).
+    await answered("degrade-out-fleet-key", out.hit(roomy, claim(kd, h2), timeout_ms=100))
+    await answered("degrade-out-breaker", out.hit(roomy, timeout_ms=100))
+    await answered("degrade-out-commit", out.settle(claim(kl, h1), COMMIT, timeout_ms=100))
+    await answered("degrade-out-duplicate", out.hit(roomy, claim(kl, h3), timeout_ms=100))
+    await answered("degrade-out-fleet-settle", out.settle(claim(kd, h1), COMMIT, timeout_ms=100))
+    emit("degrade-out-state", breaker=out.breaker.state, tenants=len(out.local))
+
     # A shard nobody serves at first, then a stand-in responder that answers
     # ok: the resends find it, each with the budget left at its sending.
     moving = EdgeClient(nc, f"{args.instance}-moving"[:64], args.shards, compact=args.compact)
@@ -1643,6 +1991,33 @@ async def _scenario(nc: Any, args: argparse.Namespace) -> None:
     await mute.unsubscribe()
 
 
+def cmd_local_replay() -> int:
+    """Applies requests to a ``LocalStore`` at given times: each stdin line
+    is ``{"at_us": unix µs, "request": a request's JSON view (§10)}``, each
+    stdout line the outcome's view, or ``{"invalid": reason}``."""
+    now = [0]
+    store = LocalStore(clock=lambda: now[0])
+    for line in sys.stdin.read().split("\n"):
+        if not line.strip():
+            continue
+        entry = json.loads(line)
+        now[0] = entry["at_us"]
+        op, _, _ = _request_from_view(entry["request"])
+        try:
+            validate(op)
+        except InvalidRequest as e:
+            print(json.dumps({"invalid": e.invalid}))
+            continue
+        if isinstance(op, Hit):
+            outcome = store.hit(op)
+        elif isinstance(op, Settle):
+            outcome = store.settle(op)
+        else:
+            outcome = store.reset(op.tenant)
+        print(json.dumps(outcome_view(outcome)))
+    return 0
+
+
 def main(argv: list | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ankusa_edge", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -1670,12 +2045,18 @@ def main(argv: list | None = None) -> int:
     )
     scenario.add_argument("--timeout-ms", type=int, default=2_000, help="budget of each call")
     scenario.add_argument("--compact", action="store_true", help="send the compact form")
+    sub.add_parser(
+        "local-replay",
+        help="apply timed requests (JSON lines on stdin) to a LocalStore, one outcome a line",
+    )
     args = parser.parse_args(argv)
     if args.command == "vectors":
         return cmd_vectors(args.protocol_md)
     if args.command == "shard":
         counts = [int(s) for s in args.shards.split(",")]
         return cmd_shard(counts, [json.loads(t) for t in args.tenants])
+    if args.command == "local-replay":
+        return cmd_local_replay()
     return asyncio.run(cmd_scenario(args))
 
 

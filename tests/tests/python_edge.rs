@@ -7,28 +7,39 @@
 //!   view, also with unknown keys added; every shard row of §2 matches;
 //! - its `shard_of` agrees with [`ankusa_bus::shard_of`] for a few hundred
 //!   tenants, non-ASCII, NUL and line separators included;
+//! - its `LocalStore`, where its `DegradingEdge` answers from during an
+//!   outage, answers a long random history of timed requests exactly as a
+//!   node's `TenantState` does;
 //! - against a real nats-server and `ankusa-node`, its scripted scenario (in the
 //!   map form and in the compact form) gets every outcome it should, its typed
 //!   errors (`invalid` from the client and from the node, `wrong_shard`, no
 //!   responders, timeout) are what §9 groups them as, its own checks of §8
 //!   refuse a request with the reason the node gives, its batches answer each
-//!   item in its own slot, and a key either edge committed (or claimed in a
-//!   batch) is a duplicate (or pending) for the other.
+//!   item in its own slot, a key either edge committed (or claimed in a
+//!   batch) is a duplicate (or pending) for the other, and its degrading edge
+//!   answers from the fleet while it can, then locally, with its breaker open
+//!   and fleet claims never settled locally.
 //!
 //! The interpreter comes from `ANKUSA_PYTHON` (set by `scripts/test.sh`, made by
 //! `scripts/ensure-python-edge.sh`); without it these tests fail, never skip.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
 
-use ankusa_actors::{HitOutcome, SettleOutcome, Settlement};
+use ankusa_actors::{
+    Charge, Claim, HitOutcome, HitRequest, Kind, SettleOutcome, SettleRequest, Settlement,
+    TenantState,
+};
+use ankusa_bus::protocol::{Op, Request};
 use ankusa_bus::{shard_of, FleetConfig, NatsOptions, Store};
 use ankusa_tests::requests::{hit, settle};
 use ankusa_tests::{
     connected_edge, read_repo_file, workspace_root, NatsServer, NodeProcess, NodeSpec,
 };
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::process::Command;
@@ -327,6 +338,136 @@ async fn python_shard_of_agrees_with_rust() {
 }
 
 // ---------------------------------------------------------------------------------
+// The local rules
+// ---------------------------------------------------------------------------------
+
+/// A random but repeatable history of timed requests over two tenants, three
+/// keys and three hooks, with short TTLs and tight buckets so that every rule
+/// comes up: rate limits, replays, pending, duplicates, expiries, settles of
+/// every kind, resets, and requests that break a rule.
+fn timed_requests(n: usize) -> Vec<(u64, Request)> {
+    let mut rng = StdRng::seed_from_u64(0x0a11_5eed);
+    let mut at_us = 1_700_000_000_000_000u64;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        at_us += rng.random_range(0..40_000);
+        let tenant = ["t0", "t1"][rng.random_range(0..2)].to_string();
+        let claim = Claim {
+            tenant: tenant.clone(),
+            source_id: "s".into(),
+            key: format!("k{}", rng.random_range(0..3)),
+            hook_id: format!("h{}", rng.random_range(0..3)),
+            node: "edge-a".into(),
+            ttl_ms: [60, 600][rng.random_range(0..2)],
+            pending_ttl_ms: [30, 300][rng.random_range(0..2)],
+        };
+        let op = match rng.random_range(0..10) {
+            0..=5 => {
+                let mut charges = Vec::new();
+                for kind in [Kind::Hooks, Kind::Bytes] {
+                    if rng.random_bool(0.6) {
+                        let capacity_us = [100_000, 300_000][rng.random_range(0..2)];
+                        // One in twenty breaks a rule: an increment over the capacity.
+                        let increment_us = if rng.random_bool(0.05) {
+                            capacity_us + 1
+                        } else {
+                            [1_000, 40_000, 100_000][rng.random_range(0..3)]
+                        };
+                        charges.push(Charge {
+                            kind,
+                            tenant: tenant.clone(),
+                            increment_us,
+                            capacity_us,
+                        });
+                    }
+                }
+                let claim = rng.random_bool(0.7).then_some(claim);
+                Op::Hit(HitRequest { charges, claim })
+            }
+            6..=8 => Op::Settle(SettleRequest {
+                claim,
+                settlement: if rng.random_bool(0.7) {
+                    Settlement::Commit
+                } else {
+                    Settlement::Release
+                },
+            }),
+            _ => Op::Reset { tenant },
+        };
+        out.push((at_us, Request::new(100, op)));
+    }
+    out
+}
+
+/// The Python `LocalStore` (the edge's state while degraded) decides every
+/// request of a long random history as a node's `TenantState` does.
+#[tokio::test]
+async fn python_local_store_follows_the_node_rules() {
+    let history = timed_requests(3_000);
+    let mut tenants: HashMap<String, TenantState> = HashMap::new();
+    let mut want = Vec::with_capacity(history.len());
+    let mut stdin = String::new();
+    for (at_us, request) in &history {
+        let line = json!({"at_us": at_us, "request": request});
+        stdin.push_str(&format!("{line}\n"));
+        want.push(match request.validate() {
+            Err(err) => json!({"invalid": err.invalid}),
+            Ok(()) => {
+                let tenant = request.tenant().expect("one tenant").to_string();
+                let state = tenants.entry(tenant).or_default();
+                match &request.op {
+                    Op::Hit(hit) => json!(state.hit(*at_us, hit).outcome),
+                    Op::Settle(settle) => json!(state.settle(*at_us, settle).outcome),
+                    Op::Reset { .. } => {
+                        state.reset();
+                        json!("reset")
+                    }
+                    other => panic!("not in the history: {other:?}"),
+                }
+            }
+        });
+    }
+    let out = edge(&["local-replay"], Some(stdin)).await.success();
+    let got: Vec<Value> = out
+        .stdout
+        .lines()
+        .map(|line| serde_json::from_str(line).expect("a JSON line"))
+        .collect();
+    assert_eq!(got.len(), want.len(), "{}", out.describe());
+    for (i, ((at_us, request), (got, want))) in
+        history.iter().zip(got.iter().zip(&want)).enumerate()
+    {
+        assert_eq!(got, want, "request {i} at {at_us} µs: {request:?}");
+    }
+    // The history reaches every answer, so the agreement means something.
+    let seen: BTreeSet<String> = want
+        .iter()
+        .map(|v| match v {
+            Value::String(s) => s.clone(),
+            Value::Object(o) if o.contains_key("invalid") => "invalid".into(),
+            other => other["result"].as_str().unwrap_or("?").to_string(),
+        })
+        .collect();
+    let every = [
+        "ok",
+        "duplicate",
+        "pending",
+        "rate_limited",
+        "not_found",
+        "not_owner",
+        "already_committed",
+        "reset",
+        "invalid",
+    ];
+    for answer in every {
+        assert!(
+            seen.contains(answer),
+            "no {answer} in the history: {seen:?}"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------
 // A live fleet
 // ---------------------------------------------------------------------------------
 
@@ -494,6 +635,53 @@ async fn python_edge_against_a_live_fleet() {
         assert_eq!(tight["claim"], Value::Null, "{}", s.all);
         s.expect_outcome("reset", json!("reset"));
         s.expect_outcome("tight-after-reset", json!({"result": "ok"}));
+
+        // The degrading edge: the fleet while it answers; then, on an instance
+        // nobody serves, this process's state, and the breaker open after two
+        // outages in a row.
+        let answered = |name: &str, outcome: Value, source: &str, reason: Value| {
+            let step = s.step(name);
+            assert_eq!(
+                (&step["outcome"], &step["source"], &step["reason"]),
+                (&outcome, &json!(source), &reason),
+                "step {name}\n{}",
+                s.all
+            );
+        };
+        let ok = json!({"result": "ok"});
+        answered("degrade-fleet-hit", ok.clone(), "fleet", Value::Null);
+        answered("degrade-fleet-commit", ok.clone(), "fleet", Value::Null);
+        answered(
+            "degrade-out-hit",
+            ok.clone(),
+            "local",
+            json!("no_responders"),
+        );
+        // The fleet's committed key is unknown locally: accepted, not lost.
+        answered(
+            "degrade-out-fleet-key",
+            ok.clone(),
+            "local",
+            json!("no_responders"),
+        );
+        answered(
+            "degrade-out-breaker",
+            ok.clone(),
+            "local",
+            json!("breaker_open"),
+        );
+        answered("degrade-out-commit", ok, "local", json!("local_claim"));
+        answered(
+            "degrade-out-duplicate",
+            json!({"result": "duplicate", "hook_id": h1}),
+            "local",
+            json!("local_claim"),
+        );
+        // A fleet claim is never settled locally: the outage is the answer.
+        s.error("degrade-out-fleet-settle", "FleetError", "FleetError");
+        let state = s.step("degrade-out-state");
+        assert_eq!(state["breaker"], "open", "{}", s.all);
+        assert_eq!(state["tenants"], 1, "{}", s.all);
 
         let too_long = json!({"reason": "too_long", "field": "tenant", "len": 257, "max": 256});
         let local = s.error("too-long-tenant-local", "InvalidRequest", "RequestError");
