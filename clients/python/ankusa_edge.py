@@ -39,8 +39,9 @@ a complete protocol).
 
 Run as a program, it checks itself against the spec (``vectors``), prints
 shards (``shard``), runs a scripted sequence against a live fleet
-(``scenario``) and replays timed requests on a ``LocalStore``
-(``local-replay``, which the Rust tests compare with the node's rules); see
+(``scenario``), replays timed requests on a ``LocalStore``
+(``local-replay``, which the Rust tests compare with the node's rules) and
+checks its breaker and local store on fake clocks (``self-test``); see
 ``--help``.
 """
 
@@ -2018,6 +2019,79 @@ def cmd_local_replay() -> int:
     return 0
 
 
+def cmd_self_test() -> int:
+    """Checks of the parts no fleet is needed for: the breaker's transitions
+    on a clock that moves when told, and the local store's bound on tenants.
+    One line per check; exit 1 if any failed."""
+    failed = 0
+
+    def check(ok: bool, what: str) -> None:
+        nonlocal failed
+        failed += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {what}")
+
+    now = [0.0]
+    b = CircuitBreaker(failure_threshold=3, base_backoff_s=1.0, max_backoff_s=4.0, clock=lambda: now[0])
+    for _ in range(2):
+        b.admit()
+        b.record(False)
+    check(b.state == "closed", "two outages of three keep the breaker closed")
+    b.admit()
+    b.record(True)
+    for _ in range(2):
+        b.admit()
+        b.record(False)
+    check(b.state == "closed", "a success starts the count again")
+    b.admit()
+    b.record(False)
+    check(b.state == "open" and not b.admit(), "the third outage in a row opens it")
+    now[0] = 0.999
+    check(not b.admit(), "it stays open for the backoff")
+    now[0] = 1.0
+    check(b.admit() and b.state == "half_open", "then one call probes")
+    check(not b.admit(), "and only one")
+    b.record(False)
+    now[0] = 2.999
+    check(not b.admit(), "a failed probe reopens it for twice the backoff")
+    now[0] = 3.0
+    b.admit()
+    b.record(False)
+    now[0] = 6.999
+    check(not b.admit(), "doubling again")
+    now[0] = 7.0
+    b.admit()
+    b.record(False)
+    now[0] = 10.999
+    check(not b.admit(), "open for the longest backoff after a third failed probe")
+    now[0] = 11.0
+    check(b.admit(), "and no longer: the backoff stops doubling at its longest")
+    b.record(True)
+    check(b.state == "closed" and b.admit(), "a good probe closes it")
+    b.record(True)
+    for _ in range(3):
+        b.admit()
+        b.record(False)
+    now[0] = 12.0
+    check(b.admit(), "and the backoff starts again from the first")
+
+    clock = [1_000_000]
+    store = LocalStore(max_tenants=8, clock=lambda: clock[0])
+    tight = [Charge(HOOKS, "t0", 1_000_000, 1_000_000)]
+    store.hit(Hit(tuple(tight)))
+    for i in range(1, 20):
+        store.hit(Hit((Charge(HOOKS, f"t{i}", 1, 1_000_000),)))
+        if i % 4 == 0:  # t0 stays the most recently used
+            store.hit(Hit(tuple(tight)))
+    check(len(store) <= 8, f"at most 8 tenants kept ({len(store)})")
+    check(isinstance(store.hit(Hit(tuple(tight))), RateLimited), "a recently used tenant is kept")
+    claim = Claim("t0", "s", "k", "h", "e", 1, 1)
+    store.hit(Hit((), claim))
+    clock[0] += 1_000
+    check(store.sweep() == 1 and not store.holds_claim("t0", "s", "k"), "expired claims are swept")
+    print(f"self-test: {failed} failed")
+    return 1 if failed else 0
+
+
 def main(argv: list | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ankusa_edge", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -2045,6 +2119,7 @@ def main(argv: list | None = None) -> int:
     )
     scenario.add_argument("--timeout-ms", type=int, default=2_000, help="budget of each call")
     scenario.add_argument("--compact", action="store_true", help="send the compact form")
+    sub.add_parser("self-test", help="check the breaker and the local store on fake clocks")
     sub.add_parser(
         "local-replay",
         help="apply timed requests (JSON lines on stdin) to a LocalStore, one outcome a line",
@@ -2057,6 +2132,8 @@ def main(argv: list | None = None) -> int:
         return cmd_shard(counts, [json.loads(t) for t in args.tenants])
     if args.command == "local-replay":
         return cmd_local_replay()
+    if args.command == "self-test":
+        return cmd_self_test()
     return asyncio.run(cmd_scenario(args))
 
 

@@ -399,6 +399,23 @@ fn timed_requests(n: usize) -> Vec<(u64, Request)> {
     out
 }
 
+/// The Python breaker's transitions and the local store's bound, on clocks
+/// that move when told.
+#[tokio::test]
+async fn python_breaker_and_local_store_self_test() {
+    let out = edge(&["self-test"], None).await.success();
+    let checks = out
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("ok   "))
+        .count();
+    assert!(
+        checks >= 14,
+        "only {checks} checks passed\n{}",
+        out.describe()
+    );
+}
+
 /// The Python `LocalStore` (the edge's state while degraded) decides every
 /// request of a long random history as a node's `TenantState` does.
 #[tokio::test]
