@@ -15,9 +15,10 @@ What it implements:
 
 - ``shard_of``: the shard function (§2).
 - Dataclasses for the request records (``Charge``, ``Claim``, ``Hit``,
-  ``Settle``, ``Reset``, ``Inspect`` with its ``EventKey``) and ``encode_request``, which writes the map form by
-  default and the compact form on request (§3, §5); ``EdgeClient`` sends the
-  map form unless built with ``compact=True``.
+  ``Settle``, ``Reset``, ``Inspect`` with its ``EventKey``) and
+  ``encode_request``, which writes the map form by default and the compact
+  form on request (§3, §5); ``EdgeClient`` sends the map form unless built
+  with ``compact=True``.
 - ``decode_reply``: replies (§6) to dataclasses (``HitOk``, ``Duplicate``,
   ``Pending``, ``RateLimited``, ``SettleOk``, ``NotFound``, ``NotOwner``,
   ``AlreadyCommitted``, ``ResetDone``, ``TenantView``, ``ErrorReply``),
@@ -1297,7 +1298,9 @@ class LocalStore:
             state.tats = {HOOKS: 0, BYTES: 0}
         return ResetDone()
 
-    def holds_claim(self, tenant: str, source_id: str, key: str, hook_id: str | None = None) -> bool:
+    def holds_claim(
+        self, tenant: str, source_id: str, key: str, hook_id: str | None = None
+    ) -> bool:
         """Whether a live claim on the key was made here (by ``hook_id``, if
         given): such a claim lives here until it expires, since the fleet
         never saw it."""
@@ -1433,7 +1436,8 @@ class DegradingEdge:
         validate(op)
         if claim and self.local.holds_claim(claim.tenant, claim.source_id, claim.key):
             return Answer(self.local.hit(op), "local", "local_claim")
-        fleet = await self._fleet(self.edge.hit(op.charges, claim, timeout_ms=self._budget(timeout_ms)))
+        budget = self._budget(timeout_ms)
+        fleet = await self._fleet(self.edge.hit(op.charges, claim, timeout_ms=budget))
         if isinstance(fleet, Answer):
             return fleet
         return Answer(self.local.hit(op), "local", fleet)
@@ -1443,8 +1447,9 @@ class DegradingEdge:
         validate(op)
         if self.local.holds_claim(claim.tenant, claim.source_id, claim.key, claim.hook_id):
             return Answer(self.local.settle(op), "local", "local_claim")
+        budget = self._budget(timeout_ms)
         fleet = await self._fleet(
-            self.edge.settle(claim, settlement, timeout_ms=self._budget(timeout_ms)), raise_outage=True
+            self.edge.settle(claim, settlement, timeout_ms=budget), raise_outage=True
         )
         if isinstance(fleet, Answer):
             return fleet
@@ -1889,7 +1894,8 @@ async def _scenario(nc: Any, args: argparse.Namespace) -> None:
         except StoreError as e:
             emit(step, error=_error_view(e))
         else:
-            emit(step, outcome=outcome_view(answer.outcome), source=answer.source, reason=answer.reason)
+            outcome = outcome_view(answer.outcome)
+            emit(step, outcome=outcome, source=answer.source, reason=answer.reason)
 
     kd, kl = f"{p}-evt-d", f"{p}-evt-l"
     live = DegradingEdge(edge)
@@ -2031,7 +2037,9 @@ def cmd_self_test() -> int:
         print(f"{'ok  ' if ok else 'FAIL'} {what}")
 
     now = [0.0]
-    b = CircuitBreaker(failure_threshold=3, base_backoff_s=1.0, max_backoff_s=4.0, clock=lambda: now[0])
+    b = CircuitBreaker(
+        failure_threshold=3, base_backoff_s=1.0, max_backoff_s=4.0, clock=lambda: now[0]
+    )
     for _ in range(2):
         b.admit()
         b.record(False)
