@@ -2040,18 +2040,17 @@ def cmd_self_test() -> int:
     b = CircuitBreaker(
         failure_threshold=3, base_backoff_s=1.0, max_backoff_s=4.0, clock=lambda: now[0]
     )
-    for _ in range(2):
-        b.admit()
-        b.record(False)
+
+    def calls(*up: bool) -> None:
+        for result in up:
+            b.admit()
+            b.record(result)
+
+    calls(False, False)
     check(b.state == "closed", "two outages of three keep the breaker closed")
-    b.admit()
-    b.record(True)
-    for _ in range(2):
-        b.admit()
-        b.record(False)
+    calls(True, False, False)
     check(b.state == "closed", "a success starts the count again")
-    b.admit()
-    b.record(False)
+    calls(False)
     check(b.state == "open" and not b.admit(), "the third outage in a row opens it")
     now[0] = 0.999
     check(not b.admit(), "it stays open for the backoff")
@@ -2062,13 +2061,11 @@ def cmd_self_test() -> int:
     now[0] = 2.999
     check(not b.admit(), "a failed probe reopens it for twice the backoff")
     now[0] = 3.0
-    b.admit()
-    b.record(False)
+    calls(False)
     now[0] = 6.999
     check(not b.admit(), "doubling again")
     now[0] = 7.0
-    b.admit()
-    b.record(False)
+    calls(False)
     now[0] = 10.999
     check(not b.admit(), "open for the longest backoff after a third failed probe")
     now[0] = 11.0
@@ -2076,9 +2073,7 @@ def cmd_self_test() -> int:
     b.record(True)
     check(b.state == "closed" and b.admit(), "a good probe closes it")
     b.record(True)
-    for _ in range(3):
-        b.admit()
-        b.record(False)
+    calls(False, False, False)
     now[0] = 12.0
     check(b.admit(), "and the backoff starts again from the first")
 
