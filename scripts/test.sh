@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one command that runs every check and test: format, lints, unit, property,
+# The one command that runs every check and test: format, lints, API docs, unit, property,
 # integration and fault tests (against real nats-server processes the tests start).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +18,8 @@ echo "test: using $ANKUSA_PYTHON ($("$ANKUSA_PYTHON" --version))"
 
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# The API docs build without a broken link or a stray tag.
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet
 # The binaries the integration tests start, built up front (the tests would
 # otherwise build them inside the first test that needs one, on its clock).
 cargo build --locked -p ankusa-node --bins

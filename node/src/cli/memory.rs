@@ -52,7 +52,7 @@ pub enum What {
 
 #[derive(Debug, Clone, Args)]
 pub struct MemoryArgs {
-    /// The node process to measure (its /proc/<pid>/status)
+    /// The node process to measure (its `/proc/<pid>/status`)
     #[arg(long)]
     pub pid: u32,
     /// The node's HTTP address, for its claim and tenant gauges

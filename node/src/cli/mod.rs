@@ -2,9 +2,9 @@
 //! `settle`, `reset`), a look at the fleet (`status`) and the load generator
 //! (`bench`, with its baselines and the durable, recovery and memory figures).
 //!
-//! - [`calls`]: `hit`, `settle`, `reset` through the edge client;
+//! - [`calls`]: `hit`, `settle`, `reset` and `inspect` through the edge client;
 //! - [`status`]: nodes, the shard map and per-node gauges, from KV and `/metrics`;
-//! - [`bench`]: the workload against the fleet, side by side with the baselines;
+//! - [`bench`](mod@bench): the workload against the fleet, side by side with the baselines;
 //! - [`kvbench`]: durable claims (group commit vs sequential puts) and recovery;
 //! - [`memory`]: node RSS per committed claim and per idle tenant.
 //!
