@@ -81,6 +81,8 @@ enum Expect {
     HitOrExpired,
     /// A batch reply of hit outcomes or per-item refusals.
     Batch,
+    /// The flood tenant's state, read in its actor while the flood runs.
+    Inspect,
 }
 
 /// One message of the flood.
@@ -365,6 +367,20 @@ impl Corpus {
                     Expect::Code(Invalid),
                 )
             }
+            // An operator's read of the tenant being flooded.
+            33 => {
+                let read = InspectRequest {
+                    tenant: self.flood.clone(),
+                    claim: Some(EventKey {
+                        source_id: "src".into(),
+                        key: "k".into(),
+                    }),
+                };
+                self.shot(
+                    Request::new(100, Op::Inspect(read)).encode_compact(),
+                    Expect::Inspect,
+                )
+            }
             // An operator's read against the rules too: an empty source.
             32 => {
                 let bad = InspectRequest {
@@ -402,7 +418,7 @@ impl Corpus {
 const EXPIRING_BATCH: usize = 32;
 
 /// Varieties `Corpus::pick` knows, the last being random bytes.
-const VARIETIES: usize = 34;
+const VARIETIES: usize = 35;
 
 /// The variety of message `i`: each in turn, except that the two big ones (a
 /// 70 KiB payload, a 40 000-deep nesting) come only every fourth round and random
@@ -431,6 +447,8 @@ struct FloodReport {
     /// Batch items refused `deadline_expired`, and batch items answered at all.
     batch_items_expired: usize,
     batch_items: usize,
+    /// Reads of the flood tenant answered with its state.
+    inspected: usize,
     /// Wrong answers: (message index, what was expected, what came).
     wrong: Vec<String>,
     elapsed: Duration,
@@ -531,6 +549,7 @@ async fn flood(
                 note_code(&mut report, err.code)
             }
             (Some(Expect::HitOrExpired), ReplyBody::Hit(_)) => {}
+            (Some(Expect::Inspect), ReplyBody::Inspect(_)) => report.inspected += 1,
             (Some(Expect::HitOrExpired), ReplyBody::Error(err))
                 if err.code == ErrorCode::DeadlineExpired =>
             {
@@ -803,6 +822,12 @@ async fn a_standalone_node_survives_a_hostile_flood_and_counts_what_it_refused()
         flood.batch_items_expired > 0,
         "no batch item expired in the queue ({} items)",
         flood.batch_items
+    );
+    // The flooded tenant could be read all along (every reply was checked
+    // against what it had to be; these are the reads among them).
+    assert!(
+        flood.inspected > 0,
+        "no read of the flooded tenant answered"
     );
 }
 
