@@ -1217,7 +1217,8 @@ class LocalStore:
     ``clock`` returns unix µs. At most ``max_tenants`` are kept: a new tenant
     past that first drops the tenants that hold nothing, then the least
     recently used eighth, which can only admit more, never answer
-    ``Duplicate``. Requests must have passed ``validate``."""
+    ``Duplicate``. Requests must have passed ``validate``. Not thread-safe:
+    use it from one event loop, as ``DegradingEdge`` does."""
 
     def __init__(self, *, max_tenants: int = 100_000, clock: Callable[[], int] | None = None):
         self._clock = clock or wall_clock_us()
