@@ -103,6 +103,9 @@ pub enum TenantMsg {
     /// Fail, to exercise supervision.
     #[cfg(test)]
     Fail,
+    /// Take this long over one message, to stand for a busy tenant.
+    #[cfg(test)]
+    Stall(Duration),
 }
 
 /// Messages a shard actor takes.
@@ -130,6 +133,9 @@ pub enum ShardMsg {
     /// Make a tenant's actor fail, to exercise supervision.
     #[cfg(test)]
     FailTenant(String),
+    /// Keep a tenant's actor busy for a while.
+    #[cfg(test)]
+    StallTenant(String, Duration),
 }
 
 /// Gauges of one shard.
@@ -290,6 +296,8 @@ impl Actor for TenantActor {
             TenantMsg::Absorb(snapshot) => me.state.absorb(snapshot, now),
             #[cfg(test)]
             TenantMsg::Fail => return Err("failing on request".into()),
+            #[cfg(test)]
+            TenantMsg::Stall(pause) => tokio::time::sleep(pause).await,
             TenantMsg::Retire(reply) => {
                 let _ = reply.send(std::mem::take(&mut me.state));
                 myself.stop(None);
@@ -771,6 +779,12 @@ impl Actor for ShardActor {
                     let _ = actor.cast(TenantMsg::Fail);
                 }
             }
+            #[cfg(test)]
+            ShardMsg::StallTenant(tenant, pause) => {
+                if let Some(actor) = state.active(&tenant) {
+                    let _ = actor.cast(TenantMsg::Stall(pause));
+                }
+            }
         }
         Ok(())
     }
@@ -921,6 +935,54 @@ mod tests {
             ),
             "{again:?}"
         );
+    }
+
+    /// A reset or an inspect of a busy tenant waits in that tenant's mailbox,
+    /// not in its shard's: a tenant only the shard can start is served at once.
+    #[tokio::test]
+    async fn a_busy_tenant_holds_up_only_its_own_reads_and_resets() {
+        let shard = shard_with(TenantFailure::RestartEmpty).await;
+        assert!(matches!(send_hit(&shard, "a").await, Some(Ok(_))));
+        let actor = shard.actor();
+        let stall = Duration::from_millis(600);
+        actor
+            .cast(ShardMsg::StallTenant("t".into(), stall))
+            .expect("cast");
+        let (reply, read) = tokio::sync::oneshot::channel();
+        let req = InspectRequest {
+            tenant: "t".into(),
+            claim: None,
+        };
+        let msg = ShardMsg::Inspect {
+            req,
+            reply: reply.into(),
+        };
+        actor.cast(msg).expect("cast");
+        let (reply, reset) = tokio::sync::oneshot::channel();
+        let msg = ShardMsg::Reset {
+            tenant: "t".into(),
+            reply: reply.into(),
+        };
+        actor.cast(msg).expect("cast");
+
+        let started = Instant::now();
+        let mut other = hit("a");
+        other.charges[0].tenant = "u".into();
+        if let Some(claim) = other.claim.as_mut() {
+            claim.tenant = "u".into();
+        }
+        let answer = shard.ask(other, None).await;
+        assert!(matches!(answer, Ok(Ok(_))), "{answer:?}");
+        let waited = started.elapsed();
+        assert!(
+            waited < stall / 2,
+            "a new tenant waited {waited:?} on a busy one"
+        );
+
+        let read = tokio::time::timeout(stall * 3, read).await;
+        assert!(matches!(read, Ok(Ok(Ok(_)))), "{read:?}");
+        let reset = tokio::time::timeout(stall * 3, reset).await;
+        assert!(matches!(reset, Ok(Ok(Ok(_)))), "{reset:?}");
     }
 
     #[tokio::test]
