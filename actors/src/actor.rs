@@ -5,10 +5,10 @@
 //! ([`ShardHandle::send`]); only a tenant without one goes through the shard
 //! actor, which starts it. A reset or an inspect goes through the shard actor,
 //! which answers it for a parked tenant and forwards it to a running one's
-//! actor, so the shard never waits on a busy tenant. The shard actor is the only one that adds or removes
-//! running tenants, and a handle casts while it holds the map's read lock, so a
-//! job handed to a tenant always lands in its mailbox before the shard's own
-//! message retiring it.
+//! actor, so the shard never waits on a busy tenant. The shard actor is the
+//! only one that adds or removes running tenants, and a handle casts while it
+//! holds the map's read lock, so a job handed to a tenant always lands in its
+//! mailbox before the shard's own message retiring it.
 //!
 //! Memory follows live state. A tenant actor that has been quiet for
 //! [`ShardConfig::idle_after`] is retired: its state comes back to the shard,
@@ -552,24 +552,6 @@ impl ShardState {
         self.running.read().get(tenant).map(|t| t.actor.clone())
     }
 
-    /// Hands a reset or an inspect to the tenant's actor, which answers its
-    /// caller: the shard does not wait on a busy tenant. One the actor can no
-    /// longer take is answered `Unavailable` here.
-    fn forward(&self, actor: &ActorRef<TenantMsg>, msg: TenantMsg) {
-        if let Err(MessagingErr::SendErr(msg)) = actor.cast(msg) {
-            match msg {
-                TenantMsg::Reset(reply) => {
-                    let _ = reply.send(Err(Refused::Unavailable));
-                }
-                TenantMsg::Inspect(_, reply) => {
-                    let _ = reply.send(Err(Refused::Unavailable));
-                }
-                // Nothing else is forwarded.
-                _ => {}
-            }
-        }
-    }
-
     async fn tick(&mut self) {
         let now = self.config.clock.now_us();
         let idle_us = self.config.idle_after.as_micros() as u64;
@@ -739,7 +721,10 @@ impl Actor for ShardActor {
                     return Ok(());
                 }
                 if let Some(actor) = state.active(&tenant) {
-                    state.forward(&actor, TenantMsg::Reset(reply));
+                    // The tenant answers; the shard does not wait on a busy
+                    // one. A tenant that stopped drops the message with its
+                    // reply port, which the caller reads as unavailable.
+                    let _ = actor.cast(TenantMsg::Reset(reply));
                     return Ok(());
                 }
                 let changes = match state.parked.get_mut(tenant.as_str()) {
@@ -755,7 +740,8 @@ impl Actor for ShardActor {
                 }
                 let InspectRequest { tenant, claim } = req;
                 if let Some(actor) = state.active(&tenant) {
-                    state.forward(&actor, TenantMsg::Inspect(claim, reply));
+                    // Answered by the tenant, as a reset is.
+                    let _ = actor.cast(TenantMsg::Inspect(claim, reply));
                     return Ok(());
                 }
                 let view = match state.parked.get(tenant.as_str()) {
