@@ -277,7 +277,11 @@ pub fn describe_view(view: &TenantView, asked: Option<&EventKey>) -> Vec<String>
         lines.push(match view.buckets.iter().find(|b| b.kind == kind) {
             Some(b) => format!(
                 "{name}: {} ahead of now (a charge passes while ahead + increment <= capacity)",
-                fmt_latency(Duration::from_micros(b.ahead_us))
+                // Whole seconds past 10 s, as retry hints are.
+                match b.ahead_us {
+                    us if us < 10_000_000 => fmt_latency(Duration::from_micros(us)),
+                    us => fmt_retry(us.div_ceil(1000)),
+                }
             ),
             None => format!("{name}: full"),
         });
@@ -364,6 +368,14 @@ mod tests {
                 "claim stripe/evt_1: pending, hook h1 on edge-a, expires in 29 s",
             ]
         );
+        let minute = TenantView {
+            buckets: vec![ankusa_actors::BucketView {
+                kind: Kind::Hooks,
+                ahead_us: 59_999_001,
+            }],
+            ..TenantView::default()
+        };
+        assert!(describe_view(&minute, None)[0].starts_with("hooks: 60 s ahead of now"));
         let none = describe_view(&TenantView::default(), Some(&event));
         assert_eq!(
             none.last().map(String::as_str),
