@@ -1365,6 +1365,12 @@ class CircuitBreaker:
         self._probing = True
         return True
 
+    def abandon(self) -> None:
+        """An admitted call that ended with no result (cancelled, or failed
+        before it reached the fleet): it says nothing of the fleet, and a
+        probe's turn goes to the next call."""
+        self._probing = False
+
     def record(self, up: bool) -> None:
         """The admitted call's result: ``up`` unless it met an outage."""
         was_probe, self._probing = self._probing, False
@@ -1479,6 +1485,9 @@ class DegradingEdge:
             return _outage_reason(e)
         except RequestError:
             self.breaker.record(True)  # the fleet answered: it is up
+            raise
+        except BaseException:
+            self.breaker.abandon()
             raise
         self.breaker.record(True)
         return Answer(outcome)
@@ -2058,6 +2067,8 @@ def cmd_self_test() -> int:
     now[0] = 1.0
     check(b.admit() and b.state == "half_open", "then one call probes")
     check(not b.admit(), "and only one")
+    b.abandon()
+    check(b.admit(), "a probe that ended with no result passes its turn on")
     b.record(False)
     now[0] = 2.999
     check(not b.admit(), "a failed probe reopens it for twice the backoff")
