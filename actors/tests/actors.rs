@@ -12,6 +12,7 @@ use ankusa_actors::{
     Settlement, ShardConfig, ShardHandle, ShardMsg, ShardStats, TenantSnapshot, TenantView,
 };
 use ractor::rpc::CallResult;
+use ractor::RpcReplyPort;
 use tokio::sync::oneshot;
 
 const T0: u64 = 1_700_000_000_000_000;
@@ -93,16 +94,20 @@ async fn settle(shard: &ShardHandle, claim: Claim, settlement: Settlement) -> Se
         .outcome
 }
 
-async fn reset(shard: &ShardHandle, tenant: &str) -> Result<Changes, Refused> {
-    let tenant = tenant.to_string();
-    match shard
-        .actor()
-        .call(|reply| ShardMsg::Reset { tenant, reply }, None)
-        .await
-    {
+/// The shard's answer to the message `message` makes around a reply port.
+async fn ask<T: std::fmt::Debug + Send + 'static>(
+    shard: &ShardHandle,
+    message: impl FnOnce(RpcReplyPort<T>) -> ShardMsg,
+) -> T {
+    match shard.actor().call(message, None).await {
         Ok(CallResult::Success(reply)) => reply,
         other => panic!("shard did not answer: {other:?}"),
     }
+}
+
+async fn reset(shard: &ShardHandle, tenant: &str) -> Result<Changes, Refused> {
+    let tenant = tenant.to_string();
+    ask(shard, |reply| ShardMsg::Reset { tenant, reply }).await
 }
 
 async fn inspect(shard: &ShardHandle, tenant: &str, key: &str) -> Result<TenantView, Refused> {
@@ -113,34 +118,20 @@ async fn inspect(shard: &ShardHandle, tenant: &str, key: &str) -> Result<TenantV
             key: key.into(),
         }),
     };
-    match shard
-        .actor()
-        .call(|reply| ShardMsg::Inspect { req, reply }, None)
-        .await
-    {
-        Ok(CallResult::Success(reply)) => reply,
-        other => panic!("shard did not answer: {other:?}"),
-    }
+    ask(shard, |reply| ShardMsg::Inspect { req, reply }).await
 }
 
 async fn stats(shard: &ShardHandle) -> ShardStats {
-    match shard.actor().call(ShardMsg::Stats, None).await {
-        Ok(CallResult::Success(stats)) => stats,
-        other => panic!("shard did not answer: {other:?}"),
-    }
+    ask(shard, ShardMsg::Stats).await
 }
 
 async fn export(shard: &ShardHandle) -> Vec<TenantSnapshot> {
-    match shard.actor().call(ShardMsg::Export, None).await {
-        Ok(CallResult::Success(mut snaps)) => {
-            snaps.sort_by(|a, b| a.tenant.cmp(&b.tenant));
-            for snap in &mut snaps {
-                snap.claims.sort_by(|a, b| a.key().cmp(b.key()));
-            }
-            snaps
-        }
-        other => panic!("shard did not answer: {other:?}"),
+    let mut snaps = ask(shard, ShardMsg::Export).await;
+    snaps.sort_by(|a, b| a.tenant.cmp(&b.tenant));
+    for snap in &mut snaps {
+        snap.claims.sort_by(|a, b| a.key().cmp(b.key()));
     }
+    snaps
 }
 
 fn tick(shard: &ShardHandle) {
