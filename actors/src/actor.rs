@@ -36,10 +36,10 @@ use ractor::{
 use serde::{Deserialize, Serialize};
 
 use crate::clock::Clock;
-use crate::tenant::{Applied, Changes, TenantSnapshot, TenantState};
+use crate::tenant::{Applied, TenantSnapshot, TenantState};
 use crate::types::{
-    validate_tenant, EventKey, HitOutcome, HitRequest, InspectRequest, InvalidRequest,
-    SettleOutcome, SettleRequest, TenantView,
+    HitOutcome, HitRequest, InspectRequest, InvalidRequest, ResetRequest, SettleOutcome,
+    SettleRequest, TenantView,
 };
 
 /// Why an actor did not apply a request. Nothing was changed in every case.
@@ -79,17 +79,16 @@ impl<Req, Out> Job<Req, Out> {
 
 pub type HitJob = Job<HitRequest, HitOutcome>;
 pub type SettleJob = Job<SettleRequest, SettleOutcome>;
+pub type ResetJob = Job<ResetRequest, ()>;
+pub type InspectJob = Job<InspectRequest, TenantView>;
 
-/// Messages a tenant actor takes (only from its shard).
+/// Messages a tenant actor takes (from its shard and the shard's handles).
 #[derive(Debug)]
 pub enum TenantMsg {
     Hit(HitJob),
     Settle(SettleJob),
-    /// Forget the buckets; answered to the caller of the shard directly.
-    Reset(RpcReplyPort<Result<Changes, Refused>>),
-    /// Read the state, and the claim on the event key if any; answered to the
-    /// caller of the shard directly.
-    Inspect(Option<EventKey>, RpcReplyPort<Result<TenantView, Refused>>),
+    Reset(ResetJob),
+    Inspect(InspectJob),
     /// Sweep expired claims, unless a sweep is under way.
     Sweep,
     /// The next step of the sweep under way, queued behind the requests that
@@ -111,18 +110,13 @@ pub enum TenantMsg {
 /// Messages a shard actor takes.
 #[derive(Debug)]
 pub enum ShardMsg {
+    /// A request for a tenant whose actor was not running when it was sent.
     Hit(HitJob),
     Settle(SettleJob),
-    /// Forget the tenant's buckets.
-    Reset {
-        tenant: String,
-        reply: RpcReplyPort<Result<Changes, Refused>>,
-    },
-    /// Read a tenant's state without changing it (nor starting its actor).
-    Inspect {
-        req: InspectRequest,
-        reply: RpcReplyPort<Result<TenantView, Refused>>,
-    },
+    /// Applied to the tenant's parked state; its actor is not started for it.
+    Reset(ResetJob),
+    /// Read from the tenant's parked state; its actor is not started for it.
+    Inspect(InspectJob),
     /// Retire quiet tenants and, every `sweep_every`, sweep expired claims.
     Tick,
     /// Merge persisted state in (loading a shard, possibly in several parts).
@@ -257,32 +251,10 @@ impl Actor for TenantActor {
     ) -> Result<(), ActorProcessingErr> {
         let now = me.clock.now_us();
         match msg {
-            TenantMsg::Hit(job) => {
-                me.gauges.queued.fetch_sub(1, Ordering::Relaxed);
-                me.gauges.last_active_us.store(now, Ordering::Relaxed);
-                if job.expired() {
-                    job.refuse(Refused::DeadlineExpired);
-                    return Ok(());
-                }
-                let applied = me.state.hit(now, &job.req);
-                let _ = job.reply.send(Ok(applied));
-            }
-            TenantMsg::Settle(job) => {
-                me.gauges.queued.fetch_sub(1, Ordering::Relaxed);
-                me.gauges.last_active_us.store(now, Ordering::Relaxed);
-                if job.expired() {
-                    job.refuse(Refused::DeadlineExpired);
-                    return Ok(());
-                }
-                let applied = me.state.settle(now, &job.req);
-                let _ = job.reply.send(Ok(applied));
-            }
-            TenantMsg::Reset(reply) => {
-                let _ = reply.send(Ok(me.state.reset()));
-            }
-            TenantMsg::Inspect(event, reply) => {
-                let _ = reply.send(Ok(me.state.inspect(now, event.as_ref())));
-            }
+            TenantMsg::Hit(job) => me.take(job, now),
+            TenantMsg::Settle(job) => me.take(job, now),
+            TenantMsg::Reset(job) => me.take(job, now),
+            TenantMsg::Inspect(job) => me.take(job, now),
             TenantMsg::Sweep if me.sweeping => {}
             TenantMsg::Sweep | TenantMsg::SweepOn => {
                 let step = me.state.sweep_step(now, SWEEP_STEP_BUCKETS);
@@ -310,13 +282,38 @@ impl Actor for TenantActor {
     }
 }
 
-/// A request a tenant's actor applies: a hit or a settle.
+impl TenantActorState {
+    /// Applies one routed request, unless its caller has given up on it.
+    fn take<R: TenantRequest>(&mut self, job: Job<R, R::Outcome>, now: u64) {
+        self.gauges.queued.fetch_sub(1, Ordering::Relaxed);
+        if R::KEEPS_AWAKE {
+            self.gauges.last_active_us.store(now, Ordering::Relaxed);
+        }
+        if job.expired() {
+            job.refuse(Refused::DeadlineExpired);
+            return;
+        }
+        let applied = job.req.apply(&mut self.state, now);
+        let _ = job.reply.send(Ok(applied));
+    }
+}
+
+/// A request applied to one tenant's state: a hit, a settle, a reset or an
+/// inspect. All four go through the tenant's one mailbox, so a tenant sees
+/// them in the order they were routed, under the same queue bound.
 pub trait TenantRequest: Sized + Send + 'static {
     type Outcome: Send + 'static;
+    /// Whether the request starts a parked tenant's actor and counts as the
+    /// tenant's activity. An operator's reset or read does neither: it is
+    /// applied to the parked state in the shard, and does not keep an idle
+    /// tenant from being parked.
+    const KEEPS_AWAKE: bool;
     /// The tenant whose actor applies it (the routing key).
     fn tenant_name(&self) -> &str;
     /// Its own `validate`.
     fn check(&self) -> Result<(), InvalidRequest>;
+    /// Applies it to the tenant's state at `now_us`.
+    fn apply(&self, state: &mut TenantState, now_us: u64) -> Applied<Self::Outcome>;
     fn to_tenant(job: Job<Self, Self::Outcome>) -> TenantMsg;
     /// The job back from a message its tenant's actor did not take.
     fn from_tenant(msg: TenantMsg) -> Option<Job<Self, Self::Outcome>>;
@@ -325,11 +322,15 @@ pub trait TenantRequest: Sized + Send + 'static {
 
 impl TenantRequest for HitRequest {
     type Outcome = HitOutcome;
+    const KEEPS_AWAKE: bool = true;
     fn tenant_name(&self) -> &str {
         self.tenant()
     }
     fn check(&self) -> Result<(), InvalidRequest> {
         self.validate()
+    }
+    fn apply(&self, state: &mut TenantState, now_us: u64) -> Applied<HitOutcome> {
+        state.hit(now_us, self)
     }
     fn to_tenant(job: HitJob) -> TenantMsg {
         TenantMsg::Hit(job)
@@ -347,11 +348,15 @@ impl TenantRequest for HitRequest {
 
 impl TenantRequest for SettleRequest {
     type Outcome = SettleOutcome;
+    const KEEPS_AWAKE: bool = true;
     fn tenant_name(&self) -> &str {
         &self.claim.tenant
     }
     fn check(&self) -> Result<(), InvalidRequest> {
         self.validate()
+    }
+    fn apply(&self, state: &mut TenantState, now_us: u64) -> Applied<SettleOutcome> {
+        state.settle(now_us, self)
     }
     fn to_tenant(job: SettleJob) -> TenantMsg {
         TenantMsg::Settle(job)
@@ -364,6 +369,61 @@ impl TenantRequest for SettleRequest {
     }
     fn to_shard(job: SettleJob) -> ShardMsg {
         ShardMsg::Settle(job)
+    }
+}
+
+impl TenantRequest for ResetRequest {
+    type Outcome = ();
+    const KEEPS_AWAKE: bool = false;
+    fn tenant_name(&self) -> &str {
+        &self.tenant
+    }
+    fn check(&self) -> Result<(), InvalidRequest> {
+        self.validate()
+    }
+    fn apply(&self, state: &mut TenantState, _now_us: u64) -> Applied<()> {
+        Applied {
+            outcome: (),
+            changes: state.reset(),
+        }
+    }
+    fn to_tenant(job: ResetJob) -> TenantMsg {
+        TenantMsg::Reset(job)
+    }
+    fn from_tenant(msg: TenantMsg) -> Option<ResetJob> {
+        match msg {
+            TenantMsg::Reset(job) => Some(job),
+            _ => None,
+        }
+    }
+    fn to_shard(job: ResetJob) -> ShardMsg {
+        ShardMsg::Reset(job)
+    }
+}
+
+impl TenantRequest for InspectRequest {
+    type Outcome = TenantView;
+    const KEEPS_AWAKE: bool = false;
+    fn tenant_name(&self) -> &str {
+        &self.tenant
+    }
+    fn check(&self) -> Result<(), InvalidRequest> {
+        self.validate()
+    }
+    fn apply(&self, state: &mut TenantState, now_us: u64) -> Applied<TenantView> {
+        Applied::unchanged(state.inspect(now_us, self.claim.as_ref()))
+    }
+    fn to_tenant(job: InspectJob) -> TenantMsg {
+        TenantMsg::Inspect(job)
+    }
+    fn from_tenant(msg: TenantMsg) -> Option<InspectJob> {
+        match msg {
+            TenantMsg::Inspect(job) => Some(job),
+            _ => None,
+        }
+    }
+    fn to_shard(job: InspectJob) -> ShardMsg {
+        ShardMsg::Inspect(job)
     }
 }
 
@@ -445,15 +505,15 @@ pub struct ShardHandle {
 }
 
 impl ShardHandle {
-    /// The shard's actor, for every message but hits and settles.
+    /// The shard's actor, for the shard's own messages (ticks, stats, export).
     pub fn actor(&self) -> &ActorRef<ShardMsg> {
         &self.actor
     }
 
-    /// Hands a hit or settle to its tenant: straight to the tenant's actor when
-    /// it runs, otherwise through the shard actor, which starts it. Every job
-    /// is answered on its reply port, with `Refused::Unavailable` if the shard
-    /// has stopped.
+    /// Hands a request to its tenant: straight to the tenant's actor when it
+    /// runs, otherwise through the shard actor, which starts the tenant or
+    /// applies the request to its parked state. Every job is answered on its
+    /// reply port, with `Refused::Unavailable` if the shard has stopped.
     pub fn send<R: TenantRequest>(&self, job: Job<R, R::Outcome>) {
         let Some(job) = admit(job) else { return };
         let Err(job) = self.running.route(job) else {
@@ -463,6 +523,8 @@ impl ShardHandle {
             match msg {
                 ShardMsg::Hit(job) => job.refuse(Refused::Unavailable),
                 ShardMsg::Settle(job) => job.refuse(Refused::Unavailable),
+                ShardMsg::Reset(job) => job.refuse(Refused::Unavailable),
+                ShardMsg::Inspect(job) => job.refuse(Refused::Unavailable),
                 _ => {}
             }
         }
@@ -527,7 +589,8 @@ impl ShardState {
         Ok(())
     }
 
-    /// Routes a hit or settle job, starting its tenant first if need be.
+    /// Routes a job to its tenant's actor, starting the tenant first if the
+    /// request keeps it awake; otherwise applies it to the parked state.
     async fn route<R: TenantRequest>(
         &mut self,
         myself: &ActorRef<ShardMsg>,
@@ -537,6 +600,10 @@ impl ShardState {
         let Err(job) = self.running.route(job) else {
             return Ok(());
         };
+        if !R::KEEPS_AWAKE {
+            self.apply_parked(job);
+            return Ok(());
+        }
         let tenant: Box<str> = job.req.tenant_name().into();
         self.start_tenant(myself, &tenant).await?;
         if let Err(job) = self.running.route(job) {
@@ -547,7 +614,18 @@ impl ShardState {
         Ok(())
     }
 
-    /// A running tenant's actor, for a message that is not a hit or settle.
+    /// Applies a job to its tenant's parked state (an absent tenant's is
+    /// empty), leaving the tenant parked.
+    fn apply_parked<R: TenantRequest>(&mut self, job: Job<R, R::Outcome>) {
+        let now = self.config.clock.now_us();
+        let applied = match self.parked.get_mut(job.req.tenant_name()) {
+            Some(parked) => job.req.apply(parked, now),
+            None => job.req.apply(&mut TenantState::default(), now),
+        };
+        let _ = job.reply.send(Ok(applied));
+    }
+
+    /// A running tenant's actor, for a message of the shard's own.
     fn active(&self, tenant: &str) -> Option<ActorRef<TenantMsg>> {
         self.running.read().get(tenant).map(|t| t.actor.clone())
     }
@@ -715,41 +793,8 @@ impl Actor for ShardActor {
         match msg {
             ShardMsg::Hit(job) => state.route(&myself, job).await?,
             ShardMsg::Settle(job) => state.route(&myself, job).await?,
-            ShardMsg::Reset { tenant, reply } => {
-                if let Err(why) = validate_tenant(&tenant) {
-                    let _ = reply.send(Err(why.into()));
-                    return Ok(());
-                }
-                if let Some(actor) = state.active(&tenant) {
-                    // The tenant answers; the shard does not wait on a busy
-                    // one. A tenant that stopped drops the message with its
-                    // reply port, which the caller reads as unavailable.
-                    let _ = actor.cast(TenantMsg::Reset(reply));
-                    return Ok(());
-                }
-                let changes = match state.parked.get_mut(tenant.as_str()) {
-                    Some(parked) => parked.reset(),
-                    None => TenantState::default().reset(),
-                };
-                let _ = reply.send(Ok(changes));
-            }
-            ShardMsg::Inspect { req, reply } => {
-                if let Err(why) = req.validate() {
-                    let _ = reply.send(Err(why.into()));
-                    return Ok(());
-                }
-                let InspectRequest { tenant, claim } = req;
-                if let Some(actor) = state.active(&tenant) {
-                    // Answered by the tenant, as a reset is.
-                    let _ = actor.cast(TenantMsg::Inspect(claim, reply));
-                    return Ok(());
-                }
-                let view = match state.parked.get(tenant.as_str()) {
-                    Some(parked) => parked.inspect(state.config.clock.now_us(), claim.as_ref()),
-                    None => TenantView::default(),
-                };
-                let _ = reply.send(Ok(view));
-            }
+            ShardMsg::Reset(job) => state.route(&myself, job).await?,
+            ShardMsg::Inspect(job) => state.route(&myself, job).await?,
             ShardMsg::Tick => state.tick().await,
             ShardMsg::Absorb(tenants) => absorb(state, tenants),
             ShardMsg::Export(reply) => {
@@ -934,22 +979,12 @@ mod tests {
         actor
             .cast(ShardMsg::StallTenant("t".into(), stall))
             .expect("cast");
-        let (reply, read) = tokio::sync::oneshot::channel();
-        let req = InspectRequest {
+        let read = InspectRequest {
             tenant: "t".into(),
             claim: None,
         };
-        let msg = ShardMsg::Inspect {
-            req,
-            reply: reply.into(),
-        };
-        actor.cast(msg).expect("cast");
-        let (reply, reset) = tokio::sync::oneshot::channel();
-        let msg = ShardMsg::Reset {
-            tenant: "t".into(),
-            reply: reply.into(),
-        };
-        actor.cast(msg).expect("cast");
+        let read = shard.ask(read, None);
+        let reset = shard.ask(ResetRequest { tenant: "t".into() }, None);
 
         let started = Instant::now();
         let mut other = hit("a");
@@ -969,6 +1004,44 @@ mod tests {
         assert!(matches!(read, Ok(Ok(Ok(_)))), "{read:?}");
         let reset = tokio::time::timeout(stall * 3, reset).await;
         assert!(matches!(reset, Ok(Ok(Ok(_)))), "{reset:?}");
+    }
+
+    /// An operator's read or reset waits in its tenant's queue as a hit does:
+    /// shed when the queue is full, refused when its deadline passes there.
+    #[tokio::test]
+    async fn reads_and_resets_keep_to_the_tenants_queue_bound_and_deadline() {
+        let config = ShardConfig {
+            tenant_queue: 2,
+            ..ShardConfig::new(Arc::new(ManualClock::new(1_000_000)))
+        };
+        let shard = spawn_shard(config, Vec::new(), None).await.expect("spawns");
+        assert!(matches!(send_hit(&shard, "a").await, Some(Ok(_))));
+        let stall = Duration::from_millis(300);
+        let actor = shard.actor();
+        actor
+            .cast(ShardMsg::StallTenant("t".into(), stall))
+            .expect("cast");
+        // Once the shard has answered this, the stall is in the tenant's mailbox.
+        actor.call(ShardMsg::Stats, None).await.expect("call");
+
+        let read = InspectRequest {
+            tenant: "t".into(),
+            claim: None,
+        };
+        let late = shard.ask(read.clone(), Some(Instant::now() + stall / 3));
+        let reset = shard.ask(ResetRequest { tenant: "t".into() }, None);
+        let shed = shard.ask(read, None).await;
+        assert!(
+            matches!(shed, Ok(Err(Refused::Overloaded { queued: 2 }))),
+            "{shed:?}"
+        );
+        let late = late.await;
+        assert!(
+            matches!(late, Ok(Err(Refused::DeadlineExpired))),
+            "{late:?}"
+        );
+        let reset = reset.await;
+        assert!(matches!(reset, Ok(Ok(_))), "{reset:?}");
     }
 
     #[tokio::test]

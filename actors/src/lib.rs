@@ -26,5 +26,5 @@ pub use tenant::{
 };
 pub use types::{
     BucketView, Charge, Claim, ClaimView, EventKey, HitOutcome, HitRequest, InspectRequest,
-    InvalidRequest, Kind, SettleOutcome, SettleRequest, Settlement, TenantView,
+    InvalidRequest, Kind, ResetRequest, SettleOutcome, SettleRequest, Settlement, TenantView,
 };

@@ -135,7 +135,7 @@ pub struct Applied<T> {
 }
 
 impl<T> Applied<T> {
-    fn unchanged(outcome: T) -> Self {
+    pub(crate) fn unchanged(outcome: T) -> Self {
         Self {
             outcome,
             changes: Changes::default(),

@@ -137,6 +137,12 @@ pub struct EventKey {
     pub key: String,
 }
 
+/// Forget one tenant's buckets (its claims stay): the contract's `reset`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResetRequest {
+    pub tenant: String,
+}
+
 /// Read one tenant's state without changing anything: its buckets and, when
 /// `claim` names an event key, the claim on it. Not part of the contract: it
 /// answers an operator's "why is this tenant limited?" and "who holds this key?".
@@ -313,6 +319,12 @@ impl HitRequest {
             return Err(InvalidRequest::MixedTenants);
         }
         Ok(())
+    }
+}
+
+impl ResetRequest {
+    pub fn validate(&self) -> Result<(), InvalidRequest> {
+        validate_tenant(&self.tenant)
     }
 }
 

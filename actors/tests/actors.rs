@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 use ankusa_actors::actor::Job;
 use ankusa_actors::{
     spawn_shard, Applied, Changes, Charge, Claim, ClaimView, EventKey, HitOutcome, HitRequest,
-    InspectRequest, InvalidRequest, Kind, ManualClock, Refused, SettleOutcome, SettleRequest,
-    Settlement, ShardConfig, ShardHandle, ShardMsg, ShardStats, TenantSnapshot, TenantView,
+    InspectRequest, InvalidRequest, Kind, ManualClock, Refused, ResetRequest, SettleOutcome,
+    SettleRequest, Settlement, ShardConfig, ShardHandle, ShardMsg, ShardStats, TenantSnapshot,
+    TenantView,
 };
 use ractor::rpc::CallResult;
 use ractor::RpcReplyPort;
@@ -106,8 +107,14 @@ async fn ask<T: std::fmt::Debug + Send + 'static>(
 }
 
 async fn reset(shard: &ShardHandle, tenant: &str) -> Result<Changes, Refused> {
-    let tenant = tenant.to_string();
-    ask(shard, |reply| ShardMsg::Reset { tenant, reply }).await
+    let req = ResetRequest {
+        tenant: tenant.to_string(),
+    };
+    let applied = shard
+        .ask(req, None)
+        .await
+        .expect("the shard answers every job");
+    applied.map(|applied| applied.changes)
 }
 
 async fn inspect(shard: &ShardHandle, tenant: &str, key: &str) -> Result<TenantView, Refused> {
@@ -118,7 +125,11 @@ async fn inspect(shard: &ShardHandle, tenant: &str, key: &str) -> Result<TenantV
             key: key.into(),
         }),
     };
-    ask(shard, |reply| ShardMsg::Inspect { req, reply }).await
+    let applied = shard
+        .ask(req, None)
+        .await
+        .expect("the shard answers every job");
+    applied.map(|applied| applied.outcome)
 }
 
 async fn stats(shard: &ShardHandle) -> ShardStats {

@@ -29,10 +29,11 @@ use std::sync::OnceLock;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use ankusa_actors::actor::{Reply as ActorReply, ShardHandle, ShardMsg};
-use ankusa_actors::{Changes, HitOutcome, Refused, SettleOutcome, TenantRequest, TenantView};
+use ankusa_actors::actor::{Reply as ActorReply, ShardHandle};
+use ankusa_actors::{
+    Changes, HitOutcome, Refused, ResetRequest, SettleOutcome, TenantRequest, TenantView,
+};
 use futures::StreamExt;
-use ractor::RpcReplyPort;
 use tokio::sync::{oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 
@@ -746,8 +747,8 @@ enum Pending {
     Now(ReplyBody),
     Hit(ActorAnswer<HitOutcome>, Place),
     Settle(ActorAnswer<SettleOutcome>, Place),
-    Reset(oneshot::Receiver<Result<Changes, Refused>>, Place),
-    Inspect(oneshot::Receiver<Result<TenantView, Refused>>, Place),
+    Reset(ActorAnswer<()>, Place),
+    Inspect(ActorAnswer<TenantView>, Place),
 }
 
 type ActorAnswer<T> = oneshot::Receiver<ActorReply<T>>;
@@ -766,15 +767,9 @@ impl Pending {
             Pending::Now(body) => return Answer::now(body),
             Pending::Hit(rx, place) => (applied(rx.await, ReplyBody::Hit), place),
             Pending::Settle(rx, place) => (applied(rx.await, ReplyBody::Settle), place),
-            Pending::Reset(rx, place) => {
-                (rx.await.map(|r| r.map(|c| (ReplyBody::Reset, c))), place)
-            }
+            Pending::Reset(rx, place) => (applied(rx.await, |()| ReplyBody::Reset), place),
             // A read changes nothing, so it waits for no write.
-            Pending::Inspect(rx, place) => (
-                rx.await
-                    .map(|r| r.map(|view| (ReplyBody::Inspect(view), Changes::default()))),
-                place,
-            ),
+            Pending::Inspect(rx, place) => (applied(rx.await, ReplyBody::Inspect), place),
         };
         match result {
             Ok(Ok((body, changes))) => Answer::after(body, Durable { place, changes }),
@@ -945,8 +940,7 @@ fn dispatch(ctx: &ShardContext, request: Request, received: Instant) -> Pending 
     hand_over(ctx, request, received)
 }
 
-/// Hands an admitted request for the shard of `ctx` to its actor: a hit or
-/// settle to its tenant's, a reset to the shard's.
+/// Hands an admitted request for the shard of `ctx` to its tenant.
 fn hand_over(ctx: &ShardContext, request: Request, received: Instant) -> Pending {
     let deadline = Some(received + Duration::from_millis(request.timeout_ms));
     let place = |tenant: &str| Place {
@@ -965,17 +959,11 @@ fn hand_over(ctx: &ShardContext, request: Request, received: Instant) -> Pending
         }
         Op::Reset { tenant } => {
             let place = place(&tenant);
-            match ask_shard_actor(ctx, |reply| ShardMsg::Reset { tenant, reply }) {
-                Some(rx) => Pending::Reset(rx, place),
-                None => Pending::Now(unavailable("shard actor is not running")),
-            }
+            Pending::Reset(ctx.actors.ask(ResetRequest { tenant }, deadline), place)
         }
         Op::Inspect(req) => {
             let place = place(&req.tenant);
-            match ask_shard_actor(ctx, |reply| ShardMsg::Inspect { req, reply }) {
-                Some(rx) => Pending::Inspect(rx, place),
-                None => Pending::Now(unavailable("shard actor is not running")),
-            }
+            Pending::Inspect(ctx.actors.ask(req, deadline), place)
         }
         // Admitted requests hold no batch inside a batch.
         Op::Batch(_) => Pending::Now(ReplyBody::Error(ErrorReply::new(
@@ -983,16 +971,6 @@ fn hand_over(ctx: &ShardContext, request: Request, received: Instant) -> Pending
             "a batch inside a batch",
         ))),
     }
-}
-
-/// Sends the shard's actor the message `ask` makes around a reply port, and
-/// returns where its answer will come; `None` if the actor is not running.
-fn ask_shard_actor<T>(
-    ctx: &ShardContext,
-    ask: impl FnOnce(RpcReplyPort<Result<T, Refused>>) -> ShardMsg,
-) -> Option<oneshot::Receiver<Result<T, Refused>>> {
-    let (reply, rx) = oneshot::channel();
-    ctx.actors.actor().cast(ask(reply.into())).ok().map(|()| rx)
 }
 
 #[cfg(test)]
