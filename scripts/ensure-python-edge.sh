@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Makes (once) a Python venv with what the Python edge client (clients/python/)
-# needs, nats-py and msgpack from PyPI as pinned in its requirements.txt, and
+# and its tests need, nats-py, msgpack and setuptools from PyPI as pinned in its
+# requirements.txt, and
 # prints the venv's python path; progress goes to stderr. The venv lives in
 # target/python-edge (git-ignored); a later run only checks it, in a fraction of
 # a second, unless requirements.txt changed since it was installed.
@@ -14,7 +15,7 @@ stamp="$venv/.ankusa-requirements"
 
 ready() {
   [ -x "$python" ] && [ -f "$stamp" ] && cmp -s "$stamp" "$requirements" \
-    && "$python" -c 'import nats, msgpack' 2>/dev/null
+    && "$python" -c 'import nats, msgpack, setuptools' 2>/dev/null
 }
 
 if ready; then
@@ -43,14 +44,14 @@ if [ ! -e "$venv" ]; then
     exit 1
   fi
 fi
-echo "ensure-python-edge: installing $(tr '\n' ' ' <"$requirements")from PyPI into $venv" >&2
+echo "ensure-python-edge: installing $(grep -v '^#' "$requirements" | tr '\n' ' ')from PyPI into $venv" >&2
 if ! "$python" -m pip install --quiet --disable-pip-version-check -r "$requirements" >&2; then
   echo "ensure-python-edge: could not install $requirements from PyPI; is PyPI reachable (or a pip index configured)?" >&2
   exit 1
 fi
 cp "$requirements" "$stamp"
 if ! ready; then
-  echo "ensure-python-edge: $python still cannot import nats and msgpack" >&2
+  echo "ensure-python-edge: $python still cannot import nats, msgpack and setuptools" >&2
   exit 1
 fi
 echo "$python"

@@ -2108,7 +2108,7 @@ def cmd_self_test() -> int:
 
 
 def main(argv: list | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ankusa_edge", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     vectors = sub.add_parser(
         "vectors", help="check the encoder and decoder against the test vectors of docs/protocol.md"

@@ -7,6 +7,8 @@
 //!   view, also with unknown keys added; every shard row of §2 matches;
 //! - its `shard_of` agrees with [`ankusa_bus::shard_of`] for a few hundred
 //!   tenants, non-ASCII, NUL and line separators included;
+//! - it installs as a package with pip, offline, and its module and
+//!   `ankusa-edge` command run from the installed copy;
 //! - its `LocalStore`, where its `DegradingEdge` answers from during an
 //!   outage, answers a long random history of timed requests exactly as a
 //!   node's `TenantState` does;
@@ -84,10 +86,20 @@ async fn read_all(pipe: Option<impl AsyncRead + Unpin>) -> String {
 
 /// Runs `program args` in the repository root with `stdin`, killed after [`LIMIT`].
 async fn run(program: &Path, args: &[&str], stdin: Option<String>) -> Run {
-    let what = format!("{} {}", program.display(), args.join(" "));
-    let mut child = Command::new(program)
-        .args(args)
-        .current_dir(workspace_root())
+    let mut command = Command::new(program);
+    command.args(args).current_dir(workspace_root());
+    finish(command, stdin).await
+}
+
+/// Runs `command` to its end with `stdin`, killed after [`LIMIT`].
+async fn finish(mut command: Command, stdin: Option<String>) -> Run {
+    let std = command.as_std();
+    let args: Vec<String> = std
+        .get_args()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    let what = format!("{} {}", std.get_program().to_string_lossy(), args.join(" "));
+    let mut child = command
         .stdin(if stdin.is_some() {
             Stdio::piped()
         } else {
@@ -147,6 +159,14 @@ async fn python() -> PathBuf {
         check.describe()
     );
     python
+}
+
+/// Lines of a self-test's output that report a passed check.
+fn passed_checks(out: &Run) -> usize {
+    out.stdout
+        .lines()
+        .filter(|l| l.starts_with("ok   "))
+        .count()
 }
 
 /// Runs the Python edge client's command line.
@@ -404,16 +424,73 @@ fn timed_requests(n: usize) -> Vec<(u64, Request)> {
 #[tokio::test]
 async fn python_breaker_and_local_store_self_test() {
     let out = edge(&["self-test"], None).await.success();
-    let checks = out
-        .stdout
-        .lines()
-        .filter(|l| l.starts_with("ok   "))
-        .count();
+    let checks = passed_checks(&out);
     assert!(
         checks >= 14,
         "only {checks} checks passed\n{}",
         out.describe()
     );
+}
+
+/// The client installs as a package (`clients/python/pyproject.toml`): pip
+/// builds it offline from a copy of its directory, and the installed module
+/// and its `ankusa-edge` command run away from the repository.
+#[tokio::test]
+async fn python_client_installs_as_a_package() {
+    let python = python().await;
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    // A copy, so that the build's own files stay out of the repository.
+    let source = dir.path().join("source");
+    std::fs::create_dir(&source).expect("source directory");
+    for name in ["pyproject.toml", "README.md", "ankusa_edge.py"] {
+        let from = workspace_root().join("clients/python").join(name);
+        std::fs::copy(&from, source.join(name))
+            .unwrap_or_else(|e| panic!("copying {}: {e}", from.display()));
+    }
+    let site = dir.path().join("site");
+    let (site_arg, source_arg) = (site.to_string_lossy(), source.to_string_lossy());
+    let install = [
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "--target",
+        &site_arg,
+        &source_arg,
+    ];
+    run(&python, &install, None).await.success();
+
+    let installed = |program: &Path, args: &[&str]| {
+        let mut command = Command::new(program);
+        command
+            .args(args)
+            .current_dir(dir.path())
+            .env("PYTHONPATH", &site);
+        command
+    };
+    let probe = "import ankusa_edge, importlib.metadata as m; \
+                 print(ankusa_edge.__file__); print(m.version('ankusa-edge'))";
+    let out = finish(installed(&python, &["-c", probe]), None)
+        .await
+        .success();
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    let module = Path::new(lines.first().copied().unwrap_or_default());
+    assert!(
+        module.starts_with(&site),
+        "the module imported is not the installed one\n{}",
+        out.describe()
+    );
+    assert_eq!(lines.get(1).copied(), Some("0.1.0"), "{}", out.describe());
+
+    let command = site.join("bin").join("ankusa-edge");
+    let out = finish(installed(&command, &["self-test"]), None)
+        .await
+        .success();
+    assert!(passed_checks(&out) >= 14, "{}", out.describe());
 }
 
 /// The Python `LocalStore` (the edge's state while degraded) decides every
