@@ -28,15 +28,17 @@ What it implements:
   resend or degrade) and ``FleetError`` (the fleet could not answer: degrade).
 - ``EdgeClient``: ``hit``, ``settle``, ``reset`` and ``inspect`` over a connected nats-py
   client, each within a hard budget, resending on NATS "no responders" as §9
-  says; ``batch`` sends many of them as one ``batch`` message per shard (§5.5).
+  says; ``batch`` sends many of them as one ``batch`` message per node, or per
+  shard whose node is not known yet (§5.5).
 
 - ``DegradingEdge``: the local degrade of §9 over an ``EdgeClient``: on an
   outage a hit is answered from this process's ``LocalStore`` (the same
   rules, this process's buckets and claims), a ``CircuitBreaker`` stops
   trying a fleet that keeps failing, and each ``Answer`` says who gave it.
 
-Not implemented: node subjects (§5.5; optional, the shard subjects alone are
-a complete protocol).
+``EdgeClient.batch`` sends to node subjects (§5.5) the calls of shards whose
+node it has learned from their replies; single calls always go to shard
+subjects.
 
 Run as a program, it checks itself against the spec (``vectors``), prints
 shards (``shard``), runs a scripted sequence against a live fleet
@@ -142,6 +144,8 @@ _MAX_CAPACITY_US = 31_536_000_000_000
 _MAX_TTL_MS = 7_776_000_000
 _MAX_PENDING_TTL_MS = 3_600_000
 _INSTANCE = re.compile(r"[a-z0-9_-]{1,64}")
+# A node_id as nodes take it: a subject token of its own (§1).
+_NODE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 # §9: after "no responders", resend after a pause doubling from 2 ms to 50 ms;
 # a resend keeps this much of the budget for its own round trip.
@@ -970,6 +974,11 @@ def _name(op: Op) -> str:
     return names[type(op)]
 
 
+def _is_wrong_node(body: Any) -> bool:
+    """An item a node did not apply because it does not serve its shard (§5.5)."""
+    return isinstance(body, ErrorReply) and body.code == "wrong_node"
+
+
 def _outcome(body: Any, name: str) -> Any:
     """A reply body to a ``name`` request as its outcome; raises the
     ``StoreError`` of an error reply, or ``UndecodableReply``."""
@@ -988,10 +997,23 @@ class EdgeClient:
     ``StoreError`` within it. With ``validate`` (the default) a request that
     breaks a rule of §8 is refused here with the ``InvalidRequest`` a node would
     answer, without sending it. ``compact`` sends requests in the compact form.
+
+    With ``node_batches`` (the default), ``batch`` sends the calls of every
+    shard whose node it has learned (from that shard's replies) in one message
+    to that node's subject (§1, §5.5). Turn it off for an edge whose NATS
+    permissions do not let it publish to ``ankusa.<instance>.node.*``: such a
+    publish is refused by the server and its batch would time out.
     """
 
     def __init__(
-        self, nc: Any, instance: str, shards: int, *, validate: bool = True, compact: bool = False
+        self,
+        nc: Any,
+        instance: str,
+        shards: int,
+        *,
+        validate: bool = True,
+        compact: bool = False,
+        node_batches: bool = True,
     ):
         if not isinstance(instance, str) or not _INSTANCE.fullmatch(instance):
             raise ValueError(f"instance must be 1 to 64 of a-z, 0-9, _ and -, not {instance!r}")
@@ -1001,10 +1023,38 @@ class EdgeClient:
         self.shards = shards
         self._validate = validate
         self._compact = compact
+        self._node_batches = node_batches
+        # The node that last answered on each shard's subject.
+        self._owners: dict[int, str] = {}
 
     def subject(self, tenant: str) -> str:
         """The subject of ``tenant``'s shard (§1)."""
         return f"ankusa.{self.instance}.shard.{shard_of(tenant, self.shards)}"
+
+    def node_subject(self, node: str) -> str:
+        """The subject of the node ``node`` (§1)."""
+        return f"ankusa.{self.instance}.node.{node}"
+
+    def known_nodes(self) -> dict:
+        """The node each shard was last answered by, where ``batch`` sends
+        that shard's calls: shard -> node_id."""
+        return dict(self._owners)
+
+    def _learn(self, tenant: str, reply: Reply) -> None:
+        """Remembers the node a reply on ``tenant``'s shard subject names."""
+        node = reply.node
+        if self._node_batches and isinstance(node, str) and _NODE_ID.fullmatch(node):
+            self._owners[shard_of(tenant, self.shards)] = node
+
+    def _forget(self, node: str, tenant: str | None = None) -> None:
+        """Forgets ``node`` as the server of ``tenant``'s shard, or of every
+        shard with ``tenant`` None."""
+        if tenant is None:
+            self._owners = {s: n for s, n in self._owners.items() if n != node}
+            return
+        shard = shard_of(tenant, self.shards)
+        if self._owners.get(shard) == node:
+            del self._owners[shard]
 
     async def hit(
         self, charges: Sequence[Charge], claim: Claim | None = None, *, timeout_ms: int
@@ -1032,12 +1082,14 @@ class EdgeClient:
         return _outcome(reply.body, name)
 
     async def batch(self, ops: Sequence[Op], *, timeout_ms: int) -> list:
-        """Carries out ``ops`` (hits, settles, resets) in as few messages as
-        §5.5 allows on shard subjects: one ``batch`` per shard, the shards'
-        all at once, within one hard budget. A shard with more than
-        ``MAX_BATCH`` items, or more than one message holds, gets several
-        batches, sent one after another so that its tenants' items are applied
-        in the order given.
+        """Carries out ``ops`` (hits, settles, resets, inspects) in as few
+        messages as §5.5 allows, all within one hard budget: one ``batch`` to
+        each known node for the shards it serves, one to each other shard's
+        subject, all at once. More than ``MAX_BATCH`` items, or more than one
+        message holds, get several batches, sent one after another so that a
+        tenant's items are applied in the order given. Items a node answers
+        ``wrong_node``, and every item of a node that has gone (no
+        responders), are sent again to their shards' subjects, as §9 says.
 
         Returns, in the order of ``ops``, each one's outcome or the
         ``StoreError`` it met, returned rather than raised: one item's error
@@ -1047,28 +1099,42 @@ class EdgeClient:
             raise TypeError("timeout_ms must be an int")
         deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
         results: list = [None] * len(ops)
-        by_subject: dict[str, list[int]] = {}
+        # Each subject's items, and the node it is the subject of (None for a
+        # shard's subject).
+        groups: dict[str, tuple[str | None, list[int]]] = {}
         for i, op in enumerate(ops):
             try:
                 self._check(op)
             except RequestError as e:
                 results[i] = e
                 continue
-            by_subject.setdefault(self.subject(op.tenant), []).append(i)
+            node = self._owners.get(shard_of(op.tenant, self.shards))
+            subject = self.node_subject(node) if node else self.subject(op.tenant)
+            groups.setdefault(subject, (node, []))[1].append(i)
 
-        async def send(subject: str, indexes: list) -> None:
+        async def send(subject: str, node: str | None, indexes: list) -> None:
             def encode(budget_ms: int) -> bytes:
                 items = tuple((ops[i], budget_ms) for i in indexes)
                 return encode_request(Batch(items), budget_ms, compact=self._compact)
 
             error: StoreError
             try:
-                reply = await self._send(subject, encode, deadline, timeout_ms)
+                reply = await self._send(
+                    subject, encode, deadline, timeout_ms, resend_no_responders=node is None
+                )
+            except NoResponders as e:
+                if node is None:
+                    error = e
+                else:
+                    # §9: the node is gone and applied nothing.
+                    self._forget(node)
+                    await by_shard(indexes)
+                    return
             except RequestTooLarge as e:
                 if len(indexes) > 1:
                     half = len(indexes) // 2
-                    await send(subject, indexes[:half])
-                    await send(subject, indexes[half:])
+                    await send(subject, node, indexes[:half])
+                    await send(subject, node, indexes[half:])
                     return
                 error = e
             except StoreError as e:
@@ -1081,20 +1147,36 @@ class EdgeClient:
                 elif not isinstance(body, list) or len(body) != len(indexes):
                     error = UndecodableReply(f"not a batch reply of {len(indexes)} items: {body!r}")
                 else:
+                    if node is None:
+                        self._learn(ops[indexes[0]].tenant, reply)
+                    moved = []
                     for i, item in zip(indexes, body):
+                        if node is not None and _is_wrong_node(item.body):
+                            # Not applied: the node no longer serves the shard.
+                            self._forget(node, ops[i].tenant)
+                            moved.append(i)
+                            continue
                         try:
                             results[i] = _outcome(item.body, _name(ops[i]))
                         except StoreError as e:
                             results[i] = e
+                    if moved:
+                        await by_shard(moved)
                     return
             for i in indexes:
                 results[i] = error
 
-        async def send_all(subject: str, indexes: list) -> None:
+        async def send_all(subject: str, node: str | None, indexes: list) -> None:
             for k in range(0, len(indexes), MAX_BATCH):
-                await send(subject, indexes[k : k + MAX_BATCH])
+                await send(subject, node, indexes[k : k + MAX_BATCH])
 
-        await asyncio.gather(*(send_all(s, indexes) for s, indexes in by_subject.items()))
+        async def by_shard(indexes: list) -> None:
+            shards: dict[str, list[int]] = {}
+            for i in indexes:
+                shards.setdefault(self.subject(ops[i].tenant), []).append(i)
+            await asyncio.gather(*(send_all(s, None, ix) for s, ix in shards.items()))
+
+        await asyncio.gather(*(send_all(s, n, ix) for s, (n, ix) in groups.items()))
         return results
 
     async def request(self, op: Op, *, timeout_ms: int) -> Reply:
@@ -1110,7 +1192,9 @@ class EdgeClient:
         def encode(budget_ms: int) -> bytes:
             return encode_request(op, budget_ms, compact=self._compact)
 
-        return await self._send(self.subject(op.tenant), encode, deadline, timeout_ms)
+        reply = await self._send(self.subject(op.tenant), encode, deadline, timeout_ms)
+        self._learn(op.tenant, reply)
+        return reply
 
     def _check(self, op: Op) -> None:
         if self._validate:
@@ -1119,10 +1203,16 @@ class EdgeClient:
             _check_shape(op)
 
     async def _send(
-        self, subject: str, encode: Callable[[int], bytes], deadline: float, timeout_ms: int
+        self,
+        subject: str,
+        encode: Callable[[int], bytes],
+        deadline: float,
+        timeout_ms: int,
+        *,
+        resend_no_responders: bool = True,
     ) -> Reply:
         """Sends ``encode(budget left)`` to ``subject`` until ``deadline``,
-        resending on no responders (§9)."""
+        resending on no responders (§9) unless told not to."""
         loop = asyncio.get_running_loop()
         pause = _FIRST_PAUSE_S
         attempts = 0
@@ -1148,7 +1238,7 @@ class EdgeClient:
                 # §9: no node serves the shard right now. Resend after a pause
                 # while the budget leaves room for another round trip.
                 left = deadline - loop.time()
-                if left <= _RETRY_ROUND_TRIP_S:
+                if not resend_no_responders or left <= _RETRY_ROUND_TRIP_S:
                     raise NoResponders(
                         f"no responders on {subject} within {timeout_ms} ms ({attempts} attempts)",
                         attempts=attempts,
@@ -1825,11 +1915,14 @@ async def _scenario(nc: Any, args: argparse.Namespace) -> None:
             Hit(tuple(long_hit)),
             Hit((Charge(HOOKS, elsewhere, 1_000, 1_000_000),)),
         ]
+        # The calls before it named the tenant's node: the batch goes there.
+        via_node = edge.known_nodes().get(home)
         results = await edge.batch(batch, timeout_ms=budget)
         emit(
             "batch",
             key=k3,
             hook_id=h5,
+            via_node=via_node,
             results=views(results),
         )
 
@@ -1999,6 +2092,79 @@ async def _scenario(nc: Any, args: argparse.Namespace) -> None:
         **sent(),
         results=views(results),
     )
+
+    # Batches to nodes (§5.5), against stand-ins: node n1 serves the home
+    # shard; the other shard's subject answers naming its node of the moment.
+    nodes = EdgeClient(nc, f"{args.instance}-nodes"[:64], args.shards, compact=args.compact)
+    if args.shards > 1:
+        home = shard_of(tenant, args.shards)
+        away = next(
+            f"{p}-n{i}" for i in range(10_000) if shard_of(f"{p}-n{i}", args.shards) != home
+        )
+        serving = {"away": "n1"}
+        routed: list = []
+        ok = {"hit": {"result": "ok"}}
+        wrong_node = {"error": {"code": "wrong_node", "message": "stand-in"}}
+
+        def ops_of(msg: Any) -> tuple:
+            """A request's ops, and whether it is a batch."""
+            op, _, _ = _request_from_view(msgpack.unpackb(msg.data, raw=False))
+            if isinstance(op, Batch):
+                return [item for item, _ in op.items], True
+            return [op], False
+
+        def at_home(op: Op) -> bool:
+            return shard_of(op.tenant, args.shards) == home
+
+        async def shard_stand_in(msg: Any) -> None:
+            ops, is_batch = ops_of(msg)
+            routed.append(f"shard:{len(ops)}")
+            body = {"batch": [{"v": 1, "body": ok} for _ in ops]} if is_batch else ok
+            node = "n1" if at_home(ops[0]) else serving["away"]
+            reply = {"v": 1, "node": node, "body": body}
+            await nc.publish(msg.reply, msgpack.packb(reply, use_bin_type=True))
+
+        async def node_stand_in(msg: Any) -> None:
+            ops, _ = ops_of(msg)
+            routed.append(f"node:{len(ops)}")
+            body = [{"v": 1, "body": ok if at_home(op) else wrong_node} for op in ops]
+            await nc.publish(msg.reply, msgpack.packb({"v": 1, "body": {"batch": body}}))
+
+        shard_subs = await nc.subscribe(f"ankusa.{nodes.instance}.shard.*", cb=shard_stand_in)
+        node_sub = await nc.subscribe(nodes.node_subject("n1"), cb=node_stand_in)
+        await nc.flush()
+        one = (Charge(HOOKS, tenant, 1, 1),)
+        one_away = (Charge(HOOKS, away, 1, 1),)
+
+        # Both shards learned as n1's; then the away shard moves to n3. One
+        # message to n1, whose item for the shard it no longer serves goes
+        # again to that shard's subject, whose reply names n3.
+        await nodes.hit(one, timeout_ms=budget)
+        await nodes.hit(one_away, timeout_ms=budget)
+        learned = sorted(nodes.known_nodes().values())
+        serving["away"] = "n3"
+        routed.clear()
+        results = await nodes.batch([Hit(one), Hit(one_away), Hit(one)], timeout_ms=budget)
+        emit(
+            "batch-nodes-wrong-node",
+            learned=learned,
+            routed=list(routed),
+            known_after=sorted(nodes.known_nodes().values()),
+            results=views(results),
+        )
+        # n3 has gone (no responders on its subject) and n4 took the shard:
+        # the item goes to its shard's subject, and n4 is learned.
+        serving["away"] = "n4"
+        routed.clear()
+        results = await nodes.batch([Hit(one), Hit(one_away)], timeout_ms=budget)
+        emit(
+            "batch-nodes-gone",
+            routed=sorted(routed),
+            known_after=sorted(nodes.known_nodes().values()),
+            results=views(results),
+        )
+        await shard_subs.unsubscribe()
+        await node_sub.unsubscribe()
 
     # A subscriber that never answers: Timeout at the budget.
     silent = EdgeClient(nc, f"{args.instance}-silent"[:64], args.shards, compact=args.compact)

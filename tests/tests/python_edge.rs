@@ -17,7 +17,9 @@
 //!   errors (`invalid` from the client and from the node, `wrong_shard`, no
 //!   responders, timeout) are what §9 groups them as, its own checks of §8
 //!   refuse a request with the reason the node gives, its batches answer each
-//!   item in its own slot, a key either edge committed (or claimed in a
+//!   item in its own slot and go to the node's subject once a reply named the
+//!   node (to shard subjects again for `wrong_node` items and for a node
+//!   gone), a key either edge committed (or claimed in a
 //!   batch) is a duplicate (or pending) for the other, and its degrading edge
 //!   answers from the fleet while it can, then locally, with its breaker open
 //!   and fleet claims never settled locally.
@@ -819,6 +821,8 @@ async fn python_edge_against_a_live_fleet() {
         // A batch: each item answered in its own slot, the refused one never
         // sent, the claim it made pending for another edge.
         let batch = s.step("batch");
+        // Sent to the node's subject: the calls before it named the node.
+        assert_eq!(batch["via_node"], "py-fleet", "{}", s.all);
         let results = batch["results"]
             .as_array()
             .unwrap_or_else(|| panic!("no batch results\n{}", s.all));
@@ -896,6 +900,20 @@ async fn python_edge_against_a_live_fleet() {
         for result in split["results"].as_array().into_iter().flatten() {
             assert_eq!(*result, json!({"result": "ok"}), "{}", s.all);
         }
+
+        // Batches to nodes, against stand-ins: an item the node no longer
+        // serves goes again to its shard's subject, and so does every item of
+        // a node that has gone; the node a shard's reply names is learned.
+        let moved = s.step("batch-nodes-wrong-node");
+        assert_eq!(moved["learned"], json!(["n1", "n1"]), "{}", s.all);
+        assert_eq!(moved["routed"], json!(["node:3", "shard:1"]), "{}", s.all);
+        assert_eq!(moved["known_after"], json!(["n1", "n3"]), "{}", s.all);
+        let ok = json!({"result": "ok"});
+        assert_eq!(moved["results"], json!([ok, ok, ok]), "{}", s.all);
+        let gone = s.step("batch-nodes-gone");
+        assert_eq!(gone["routed"], json!(["node:1", "shard:1"]), "{}", s.all);
+        assert_eq!(gone["known_after"], json!(["n1", "n4"]), "{}", s.all);
+        assert_eq!(gone["results"], json!([ok, ok]), "{}", s.all);
 
         s.expect_outcome(
             "foreign-duplicate",
