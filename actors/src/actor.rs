@@ -1,14 +1,15 @@
 //! The actors: a [`TenantActor`] per tenant owns its buckets and claims; a
 //! [`ShardActor`] per shard starts, retires and supervises its tenants.
 //!
-//! A request for a tenant whose actor runs goes straight to that actor
-//! ([`ShardHandle::send`]); only a tenant without one goes through the shard
-//! actor, which starts it. A reset or an inspect goes through the shard actor,
-//! which answers it for a parked tenant and forwards it to a running one's
-//! actor, so the shard never waits on a busy tenant. The shard actor is the
-//! only one that adds or removes running tenants, and a handle casts while it
-//! holds the map's read lock, so a job handed to a tenant always lands in its
-//! mailbox before the shard's own message retiring it.
+//! A request for a tenant whose actor runs (a hit, a settle, a reset or an
+//! inspect: a [`TenantRequest`]) goes straight to that actor
+//! ([`ShardHandle::send`]), so the tenant takes them in the order they came.
+//! Only a tenant without one goes through the shard actor, which starts it for
+//! a hit or a settle, and applies a reset or an inspect to the tenant's parked
+//! state without starting it. The shard never waits on a tenant. The shard
+//! actor is the only one that adds or removes running tenants, and a handle
+//! casts while it holds the map's read lock, so a job handed to a tenant always
+//! lands in its mailbox before the shard's own message retiring it.
 //!
 //! Memory follows live state. A tenant actor that has been quiet for
 //! [`ShardConfig::idle_after`] is retired: its state comes back to the shard,
