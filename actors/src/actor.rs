@@ -315,10 +315,39 @@ pub trait TenantRequest: Sized + Send + 'static {
     fn check(&self) -> Result<(), InvalidRequest>;
     /// Applies it to the tenant's state at `now_us`.
     fn apply(&self, state: &mut TenantState, now_us: u64) -> Applied<Self::Outcome>;
+    /// The message carrying the job to its tenant's actor.
     fn to_tenant(job: Job<Self, Self::Outcome>) -> TenantMsg;
     /// The job back from a message its tenant's actor did not take.
     fn from_tenant(msg: TenantMsg) -> Option<Job<Self, Self::Outcome>>;
+    /// The message carrying the job to the shard's actor.
     fn to_shard(job: Job<Self, Self::Outcome>) -> ShardMsg;
+    /// The job back from a message the shard's actor did not take.
+    fn from_shard(msg: ShardMsg) -> Option<Job<Self, Self::Outcome>>;
+}
+
+/// The message variants, `TenantMsg::$variant` and `ShardMsg::$variant`, that
+/// carry a request's job.
+macro_rules! routed_as {
+    ($variant:ident) => {
+        fn to_tenant(job: Job<Self, Self::Outcome>) -> TenantMsg {
+            TenantMsg::$variant(job)
+        }
+        fn from_tenant(msg: TenantMsg) -> Option<Job<Self, Self::Outcome>> {
+            match msg {
+                TenantMsg::$variant(job) => Some(job),
+                _ => None,
+            }
+        }
+        fn to_shard(job: Job<Self, Self::Outcome>) -> ShardMsg {
+            ShardMsg::$variant(job)
+        }
+        fn from_shard(msg: ShardMsg) -> Option<Job<Self, Self::Outcome>> {
+            match msg {
+                ShardMsg::$variant(job) => Some(job),
+                _ => None,
+            }
+        }
+    };
 }
 
 impl TenantRequest for HitRequest {
@@ -333,18 +362,7 @@ impl TenantRequest for HitRequest {
     fn apply(&self, state: &mut TenantState, now_us: u64) -> Applied<HitOutcome> {
         state.hit(now_us, self)
     }
-    fn to_tenant(job: HitJob) -> TenantMsg {
-        TenantMsg::Hit(job)
-    }
-    fn from_tenant(msg: TenantMsg) -> Option<HitJob> {
-        match msg {
-            TenantMsg::Hit(job) => Some(job),
-            _ => None,
-        }
-    }
-    fn to_shard(job: HitJob) -> ShardMsg {
-        ShardMsg::Hit(job)
-    }
+    routed_as!(Hit);
 }
 
 impl TenantRequest for SettleRequest {
@@ -359,18 +377,7 @@ impl TenantRequest for SettleRequest {
     fn apply(&self, state: &mut TenantState, now_us: u64) -> Applied<SettleOutcome> {
         state.settle(now_us, self)
     }
-    fn to_tenant(job: SettleJob) -> TenantMsg {
-        TenantMsg::Settle(job)
-    }
-    fn from_tenant(msg: TenantMsg) -> Option<SettleJob> {
-        match msg {
-            TenantMsg::Settle(job) => Some(job),
-            _ => None,
-        }
-    }
-    fn to_shard(job: SettleJob) -> ShardMsg {
-        ShardMsg::Settle(job)
-    }
+    routed_as!(Settle);
 }
 
 impl TenantRequest for ResetRequest {
@@ -388,18 +395,7 @@ impl TenantRequest for ResetRequest {
             changes: state.reset(),
         }
     }
-    fn to_tenant(job: ResetJob) -> TenantMsg {
-        TenantMsg::Reset(job)
-    }
-    fn from_tenant(msg: TenantMsg) -> Option<ResetJob> {
-        match msg {
-            TenantMsg::Reset(job) => Some(job),
-            _ => None,
-        }
-    }
-    fn to_shard(job: ResetJob) -> ShardMsg {
-        ShardMsg::Reset(job)
-    }
+    routed_as!(Reset);
 }
 
 impl TenantRequest for InspectRequest {
@@ -414,18 +410,7 @@ impl TenantRequest for InspectRequest {
     fn apply(&self, state: &mut TenantState, now_us: u64) -> Applied<TenantView> {
         Applied::unchanged(state.inspect(now_us, self.claim.as_ref()))
     }
-    fn to_tenant(job: InspectJob) -> TenantMsg {
-        TenantMsg::Inspect(job)
-    }
-    fn from_tenant(msg: TenantMsg) -> Option<InspectJob> {
-        match msg {
-            TenantMsg::Inspect(job) => Some(job),
-            _ => None,
-        }
-    }
-    fn to_shard(job: InspectJob) -> ShardMsg {
-        ShardMsg::Inspect(job)
-    }
+    routed_as!(Inspect);
 }
 
 /// The job, if it may be applied; otherwise it is refused here.
@@ -521,12 +506,8 @@ impl ShardHandle {
             return;
         };
         if let Err(MessagingErr::SendErr(msg)) = self.actor.cast(R::to_shard(job)) {
-            match msg {
-                ShardMsg::Hit(job) => job.refuse(Refused::Unavailable),
-                ShardMsg::Settle(job) => job.refuse(Refused::Unavailable),
-                ShardMsg::Reset(job) => job.refuse(Refused::Unavailable),
-                ShardMsg::Inspect(job) => job.refuse(Refused::Unavailable),
-                _ => {}
+            if let Some(job) = R::from_shard(msg) {
+                job.refuse(Refused::Unavailable);
             }
         }
     }
