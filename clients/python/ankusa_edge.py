@@ -28,17 +28,14 @@ What it implements:
   resend or degrade) and ``FleetError`` (the fleet could not answer: degrade).
 - ``EdgeClient``: ``hit``, ``settle``, ``reset`` and ``inspect`` over a connected nats-py
   client, each within a hard budget, resending on NATS "no responders" as §9
-  says; ``batch`` sends many of them as one ``batch`` message per node, or per
-  shard whose node is not known yet (§5.5).
-
+  says; calls made while others are in flight to the same node leave
+  together as one ``batch`` message (§5.5), and ``batch`` sends many at
+  once: one message per node whose shards it has learned from their
+  replies, or per shard whose node is not known yet.
 - ``DegradingEdge``: the local degrade of §9 over an ``EdgeClient``: on an
   outage a hit is answered from this process's ``LocalStore`` (the same
   rules, this process's buckets and claims), a ``CircuitBreaker`` stops
   trying a fleet that keeps failing, and each ``Answer`` says who gave it.
-
-``EdgeClient.batch`` sends to node subjects (§5.5) the calls of shards whose
-node it has learned from their replies; single calls always go to shard
-subjects.
 
 Run as a program, it checks itself against the spec (``vectors``), prints
 shards (``shard``), runs a scripted sequence against a live fleet
@@ -974,6 +971,30 @@ def _name(op: Op) -> str:
     return names[type(op)]
 
 
+def _check_budget(timeout_ms: Any) -> None:
+    if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int):
+        raise TypeError("timeout_ms must be an int")
+
+
+@dataclass
+class _Waiting:
+    """A call queued in a lane, and where its caller waits for the result."""
+
+    op: Op
+    timeout_ms: int
+    deadline: float
+    future: asyncio.Future
+
+
+class _Lane:
+    """Calls waiting for one node (or one shard whose node is not known), and
+    how many messages to it are in flight."""
+
+    def __init__(self) -> None:
+        self.queue: list[_Waiting] = []
+        self.in_flight = 0
+
+
 def _is_wrong_node(body: Any) -> bool:
     """An item a node did not apply because it does not serve its shard (§5.5)."""
     return isinstance(body, ErrorReply) and body.code == "wrong_node"
@@ -998,11 +1019,18 @@ class EdgeClient:
     breaks a rule of §8 is refused here with the ``InvalidRequest`` a node would
     answer, without sending it. ``compact`` sends requests in the compact form.
 
-    With ``node_batches`` (the default), ``batch`` sends the calls of every
-    shard whose node it has learned (from that shard's replies) in one message
-    to that node's subject (§1, §5.5). Turn it off for an edge whose NATS
-    permissions do not let it publish to ``ankusa.<instance>.node.*``: such a
-    publish is refused by the server and its batch would time out.
+    With ``batching`` (the default), calls made while another is in flight to
+    the same node wait and leave together as one ``batch`` (§5.5): a lone
+    call leaves at once, alone, and while up to ``max_in_flight`` messages
+    are out, the calls gathering behind them leave when an answer comes back
+    or ``max_batch`` of them have gathered. Each call keeps its own budget,
+    on the wire and in waiting for its answer.
+
+    With ``node_batches`` (the default), batches go to the subject of the node
+    that serves their shards, learned from the shards' replies (§1, §5.5),
+    and may mix shards. Turn it off for an edge whose NATS permissions do not
+    let it publish to ``ankusa.<instance>.node.*``: such a publish is refused
+    by the server and its batch would time out.
     """
 
     def __init__(
@@ -1013,7 +1041,10 @@ class EdgeClient:
         *,
         validate: bool = True,
         compact: bool = False,
+        batching: bool = True,
         node_batches: bool = True,
+        max_batch: int = 64,
+        max_in_flight: int = 4,
     ):
         if not isinstance(instance, str) or not _INSTANCE.fullmatch(instance):
             raise ValueError(f"instance must be 1 to 64 of a-z, 0-9, _ and -, not {instance!r}")
@@ -1023,9 +1054,16 @@ class EdgeClient:
         self.shards = shards
         self._validate = validate
         self._compact = compact
+        if not 1 <= max_batch <= MAX_BATCH or max_in_flight < 1:
+            raise ValueError(f"max_batch must be 1 to {MAX_BATCH} and max_in_flight at least 1")
+        self._batching = batching
         self._node_batches = node_batches
+        self._max_batch = max_batch
+        self._max_in_flight = max_in_flight
         # The node that last answered on each shard's subject.
         self._owners: dict[int, str] = {}
+        self._lanes: dict[str, _Lane] = {}
+        self._flushing: set = set()
 
     def subject(self, tenant: str) -> str:
         """The subject of ``tenant``'s shard (§1)."""
@@ -1078,8 +1116,77 @@ class EdgeClient:
         return await self._call(Inspect(tenant, claim), "inspect", timeout_ms)
 
     async def _call(self, op: Op, name: str, timeout_ms: int) -> Any:
-        reply = await self.request(op, timeout_ms=timeout_ms)
-        return _outcome(reply.body, name)
+        if not self._batching:
+            reply = await self.request(op, timeout_ms=timeout_ms)
+            return _outcome(reply.body, name)
+        _check_budget(timeout_ms)
+        self._check(op)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_ms / 1000
+        waiting = _Waiting(op, timeout_ms, deadline, loop.create_future())
+        shard = shard_of(op.tenant, self.shards)
+        node = self._owners.get(shard)
+        # A lane per node, or per shard whose node is not known yet.
+        key = f"node.{node}" if node else f"shard.{shard}"
+        lane = self._lanes.setdefault(key, _Lane())
+        lane.queue.append(waiting)
+        self._pump(lane)
+        try:
+            result = await asyncio.wait_for(
+                asyncio.shield(waiting.future), timeout=max(0.0, deadline - loop.time())
+            )
+        # nats-py's TimeoutError is one too; on Python 3.10 it is not the
+        # builtin TimeoutError.
+        except asyncio.TimeoutError:  # noqa: UP041
+            raise Timeout(f"no reply within {timeout_ms} ms") from None
+        if isinstance(result, StoreError):
+            raise result
+        return result
+
+    def _pump(self, lane: _Lane) -> None:
+        """Sends what ``lane`` holds while it may: everything waiting when
+        nothing is in flight; beyond that, only full batches, up to
+        ``max_in_flight`` messages at once. The rest waits for an answer,
+        gathering into the next message."""
+        while lane.queue and (
+            lane.in_flight == 0
+            or (lane.in_flight < self._max_in_flight and len(lane.queue) >= self._max_batch)
+        ):
+            taken = lane.queue[: self._max_batch]
+            del lane.queue[: self._max_batch]
+            lane.in_flight += 1
+            task = asyncio.ensure_future(self._flush(lane, taken))
+            # The loop keeps only a weak reference to a task.
+            self._flushing.add(task)
+            task.add_done_callback(self._flushing.discard)
+
+    async def _flush(self, lane: _Lane, taken: list) -> None:
+        """Sends one lane's calls (alone, or as a batch) and hands each caller
+        its outcome or error."""
+        ops = [w.op for w in taken]
+        results: list = [None] * len(taken)
+        try:
+            if len(taken) == 1:
+                # A lone call goes to its shard's subject, whose reply names
+                # the node serving the shard: how the lanes learn nodes.
+                try:
+                    lone = taken[0]
+                    reply = await self._request_until(lone.op, lone.deadline, lone.timeout_ms)
+                    results[0] = _outcome(reply.body, _name(ops[0]))
+                except StoreError as e:
+                    results[0] = e
+            else:
+                deadlines = [w.deadline for w in taken]
+                await self._carry_out(ops, deadlines, list(range(len(taken))), results)
+        except Exception as e:  # a bug here must not leave callers waiting
+            results = [Disconnected(f"the call could not be sent: {e!r}")] * len(taken)
+        finally:
+            lane.in_flight -= 1
+            for w, result in zip(taken, results):
+                if not w.future.done():
+                    # None only when this task was cancelled (the loop closing).
+                    w.future.set_result(result or Disconnected("the call was cancelled"))
+            self._pump(lane)
 
     async def batch(self, ops: Sequence[Op], *, timeout_ms: int) -> list:
         """Carries out ``ops`` (hits, settles, resets, inspects) in as few
@@ -1095,32 +1202,54 @@ class EdgeClient:
         ``StoreError`` it met, returned rather than raised: one item's error
         does not touch the others. An op this client refuses (its checks of
         §8) is not sent."""
-        if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int):
-            raise TypeError("timeout_ms must be an int")
+        _check_budget(timeout_ms)
         deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
         results: list = [None] * len(ops)
-        # Each subject's items, and the node it is the subject of (None for a
-        # shard's subject).
-        groups: dict[str, tuple[str | None, list[int]]] = {}
+        checked = []
         for i, op in enumerate(ops):
             try:
                 self._check(op)
             except RequestError as e:
                 results[i] = e
                 continue
-            node = self._owners.get(shard_of(op.tenant, self.shards))
-            subject = self.node_subject(node) if node else self.subject(op.tenant)
+            checked.append(i)
+        await self._carry_out(list(ops), [deadline] * len(ops), checked, results)
+        return results
+
+    async def _carry_out(
+        self, ops: list, deadlines: list, indexes: list, results: list
+    ) -> None:
+        """Sends ``ops[i]`` for each ``i`` of ``indexes`` in batches (node
+        subjects where known), each item with the budget its own deadline
+        leaves, and sets ``results[i]`` to its outcome or ``StoreError``."""
+        loop = asyncio.get_running_loop()
+        # Each subject's items, and the node it is the subject of (None for a
+        # shard's subject).
+        groups: dict[str, tuple[str | None, list[int]]] = {}
+        for i in indexes:
+            node = self._owners.get(shard_of(ops[i].tenant, self.shards))
+            subject = self.node_subject(node) if node else self.subject(ops[i].tenant)
             groups.setdefault(subject, (node, []))[1].append(i)
 
         async def send(subject: str, node: str | None, indexes: list) -> None:
+            deadline = max(deadlines[i] for i in indexes)
+
             def encode(budget_ms: int) -> bytes:
-                items = tuple((ops[i], budget_ms) for i in indexes)
+                now = loop.time()
+                items = tuple(
+                    (ops[i], max(0, min(budget_ms, int((deadlines[i] - now) * 1000))))
+                    for i in indexes
+                )
                 return encode_request(Batch(items), budget_ms, compact=self._compact)
 
             error: StoreError
             try:
                 reply = await self._send(
-                    subject, encode, deadline, timeout_ms, resend_no_responders=node is None
+                    subject,
+                    encode,
+                    deadline,
+                    round((deadline - loop.time()) * 1000),
+                    resend_no_responders=node is None,
                 )
             except NoResponders as e:
                 if node is None:
@@ -1177,17 +1306,20 @@ class EdgeClient:
             await asyncio.gather(*(send_all(s, None, ix) for s, ix in shards.items()))
 
         await asyncio.gather(*(send_all(s, n, ix) for s, (n, ix) in groups.items()))
-        return results
 
     async def request(self, op: Op, *, timeout_ms: int) -> Reply:
         """Sends one request and returns the node's reply as it came, error
         replies included (the typed calls above raise those). Raises a
         ``RequestError`` for a request refused before sending and a
         ``FleetError`` when no readable reply came in time."""
-        if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int):
-            raise TypeError("timeout_ms must be an int")
+        _check_budget(timeout_ms)
         deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
         self._check(op)
+        return await self._request_until(op, deadline, timeout_ms)
+
+    async def _request_until(self, op: Op, deadline: float, timeout_ms: int) -> Reply:
+        """Sends a checked ``op`` alone to its shard's subject until
+        ``deadline``, and learns the node its reply names."""
 
         def encode(budget_ms: int) -> bytes:
             return encode_request(op, budget_ms, compact=self._compact)
@@ -1820,6 +1952,67 @@ async def cmd_scenario(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_bench(args: argparse.Namespace) -> int:
+    """Drives a live fleet from this process: ``--calls`` hits, each claiming
+    a fresh key of one of ``--tenants`` tenants and committed once answered,
+    ``--concurrency`` at a time; prints calls/s and latency percentiles."""
+    import nats
+
+    nc = await nats.connect(args.nats, connect_timeout=5, name="ankusa-edge-py bench")
+    edge = EdgeClient(nc, args.instance, args.shards, batching=not args.no_batching)
+    run_id = f"{time.time_ns():x}"
+    latencies: list = []
+    outcomes: dict = {}
+    next_call = iter(range(args.calls))
+
+    async def timed(call: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            result = await call
+        except StoreError as e:
+            result = e
+        latencies.append(time.perf_counter() - start)
+        name = type(result).__name__
+        outcomes[name] = outcomes.get(name, 0) + 1
+        return result
+
+    async def worker() -> None:
+        for i in next_call:
+            tenant = f"bench-{i % args.tenants}"
+            charges = [Charge(HOOKS, tenant, 1_000, 1_000_000_000)]
+            claim = Claim(tenant, "bench", f"{run_id}-{i}", f"h{i}", "py-bench", 60_000, 30_000)
+            if isinstance(await timed(edge.hit(charges, claim, timeout_ms=args.timeout_ms)), HitOk):
+                await timed(edge.settle(claim, COMMIT, timeout_ms=args.timeout_ms))
+
+    try:
+        start = time.perf_counter()
+        cpu = time.process_time()
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    finally:
+        await nc.close()
+    latencies.sort()
+
+    def percentile(q: float) -> float:
+        return latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000
+
+    print(
+        json.dumps(
+            {
+                "batching": not args.no_batching,
+                "calls": len(latencies),
+                "seconds": round(elapsed, 3),
+                "calls_per_s": round(len(latencies) / elapsed),
+                "cpu_us_per_call": round(cpu / len(latencies) * 1e6, 1),
+                "p50_ms": round(percentile(0.50), 2),
+                "p99_ms": round(percentile(0.99), 2),
+                "outcomes": outcomes,
+            }
+        )
+    )
+    return 0
+
+
 async def _scenario(nc: Any, args: argparse.Namespace) -> None:
     p = args.prefix
     tenant = args.tenant or f"{p}-acme"
@@ -2166,11 +2359,54 @@ async def _scenario(nc: Any, args: argparse.Namespace) -> None:
         await shard_subs.unsubscribe()
         await node_sub.unsubscribe()
 
+    # Concurrent single calls share messages (the client's batching), each
+    # answered as if sent alone: 150 fresh claims over 5 tenants, their
+    # commits, then the same keys again. A watcher counts the requests.
+    sent_requests: list = []
+
+    async def watch(msg: Any) -> None:
+        sent_requests.append(msg.subject)
+
+    watcher = await nc.subscribe(f"ankusa.{args.instance}.*.*", cb=watch)
+    await nc.flush()
+    auto = EdgeClient(nc, args.instance, args.shards, compact=args.compact)
+
+    def auto_claim(i: int) -> Claim:
+        return Claim(f"{p}-auto{i % 5}", args.source, f"{p}-auto-{i}", f"{p}-ha{i}",
+                     f"{p}-edge", 600_000, 30_000)
+
+    def auto_charges(i: int) -> list:
+        return [Charge(HOOKS, f"{p}-auto{i % 5}", 1_000, 1_000_000_000)]
+
+    rounds = {
+        "hits": lambda i: auto.hit(auto_charges(i), auto_claim(i), timeout_ms=budget),
+        "commits": lambda i: auto.settle(auto_claim(i), COMMIT, timeout_ms=budget),
+        "again": lambda i: auto.hit(auto_charges(i), auto_claim(i), timeout_ms=budget),
+    }
+    for name, call in rounds.items():
+        sent_requests.clear()
+        results = await asyncio.gather(*(call(i) for i in range(150)), return_exceptions=True)
+        await nc.flush()
+        views_seen: dict = {}
+        for r in results:
+            view = json.dumps(_error_view(r) if isinstance(r, StoreError) else outcome_view(r))
+            views_seen[view] = views_seen.get(view, 0) + 1
+        emit(f"auto-batch-{name}", calls=150, messages=len(sent_requests),
+             outcomes=views_seen, key=f"{p}-auto-7", tenant=f"{p}-auto2")
+    await watcher.unsubscribe()
+
     # A subscriber that never answers: Timeout at the budget.
     silent = EdgeClient(nc, f"{args.instance}-silent"[:64], args.shards, compact=args.compact)
     mute = await nc.subscribe(silent.subject("acme"))
     await nc.flush()
     await run("timeout", silent.reset("acme", timeout_ms=200), budget_ms=200)
+    # A call queued behind one in flight keeps its own, shorter budget.
+    first = asyncio.ensure_future(
+        run("timeout-in-flight", silent.reset("acme", timeout_ms=300), budget_ms=300)
+    )
+    await asyncio.sleep(0)
+    await run("timeout-queued", silent.reset("acme", timeout_ms=100), budget_ms=100)
+    await first
     await mute.unsubscribe()
 
 
@@ -2300,6 +2536,17 @@ def main(argv: list | None = None) -> int:
     )
     scenario.add_argument("--timeout-ms", type=int, default=2_000, help="budget of each call")
     scenario.add_argument("--compact", action="store_true", help="send the compact form")
+    bench = sub.add_parser(
+        "bench", help="drive a live fleet with hits and commits; print calls/s and latencies"
+    )
+    bench.add_argument("--nats", required=True, help="NATS server URL")
+    bench.add_argument("--instance", default="default")
+    bench.add_argument("--shards", type=int, required=True)
+    bench.add_argument("--calls", type=int, default=20_000, help="hits to send (at most)")
+    bench.add_argument("--concurrency", type=int, default=256, help="calls in flight")
+    bench.add_argument("--tenants", type=int, default=100)
+    bench.add_argument("--timeout-ms", type=int, default=1_000, help="budget of each call")
+    bench.add_argument("--no-batching", action="store_true", help="send every call alone")
     sub.add_parser("self-test", help="check the breaker and the local store on fake clocks")
     sub.add_parser(
         "local-replay",
@@ -2315,6 +2562,8 @@ def main(argv: list | None = None) -> int:
         return cmd_local_replay()
     if args.command == "self-test":
         return cmd_self_test()
+    if args.command == "bench":
+        return asyncio.run(cmd_bench(args))
     return asyncio.run(cmd_scenario(args))
 
 

@@ -12,17 +12,19 @@
 //! - its `LocalStore`, where its `DegradingEdge` answers from during an
 //!   outage, answers a long random history of timed requests exactly as a
 //!   node's `TenantState` does;
-//! - against a real nats-server and `ankusa-node`, its scripted scenario (in the
-//!   map form and in the compact form) gets every outcome it should, its typed
-//!   errors (`invalid` from the client and from the node, `wrong_shard`, no
-//!   responders, timeout) are what §9 groups them as, its own checks of §8
+//! - against a real nats-server and `ankusa-node`, its scripted scenario (in
+//!   the map form and in the compact form) gets every outcome it should, its
+//!   typed errors (`invalid` from the client and from the node, `wrong_shard`,
+//!   no responders, timeout) are what §9 groups them as, its own checks of §8
 //!   refuse a request with the reason the node gives, its batches answer each
 //!   item in its own slot and go to the node's subject once a reply named the
-//!   node (to shard subjects again for `wrong_node` items and for a node
-//!   gone), a key either edge committed (or claimed in a
-//!   batch) is a duplicate (or pending) for the other, and its degrading edge
-//!   answers from the fleet while it can, then locally, with its breaker open
-//!   and fleet claims never settled locally.
+//!   node (to shard subjects again for `wrong_node` items and for a node gone),
+//!   150 concurrent single calls leave in a few messages and each is answered
+//!   as if alone, a call queued behind a silent one ends at its own budget, its
+//!   `bench` command commits every hit it sends, a key either edge committed
+//!   (or claimed in a batch) is a duplicate (or pending) for the other, and its
+//!   degrading edge answers from the fleet while it can, then locally, with its
+//!   breaker open and fleet claims never settled locally.
 //!
 //! The interpreter comes from `ANKUSA_PYTHON` (set by `scripts/test.sh`, made by
 //! `scripts/ensure-python-edge.sh`); without it these tests fail, never skip.
@@ -915,6 +917,56 @@ async fn python_edge_against_a_live_fleet() {
         assert_eq!(gone["known_after"], json!(["n1", "n4"]), "{}", s.all);
         assert_eq!(gone["results"], json!([ok, ok]), "{}", s.all);
 
+        // Concurrent single calls share messages, each answered as if alone.
+        let ha7 = format!("{prefix}-ha7");
+        for (round, expected) in [
+            ("hits", json!({"result": "ok"})),
+            ("commits", json!({"result": "ok"})),
+            ("again", json!({"result": "duplicate", "hook_id": ha7})),
+        ] {
+            let step = s.step(&format!("auto-batch-{round}"));
+            let outcomes = step["outcomes"]
+                .as_object()
+                .unwrap_or_else(|| panic!("no outcomes\n{}", s.all));
+            if round == "again" {
+                // Each key is a duplicate of its own hook: 150 different views.
+                assert_eq!(outcomes.len(), 150, "{}", s.all);
+                let seven: Value = serde_json::from_str(
+                    outcomes
+                        .keys()
+                        .find(|k| k.contains(&format!("\"{ha7}\"")))
+                        .unwrap_or_else(|| panic!("no answer names {ha7}\n{}", s.all)),
+                )
+                .expect("an outcome's JSON");
+                assert_eq!(seven, expected, "{}", s.all);
+            } else {
+                let only: Vec<(Value, u64)> = outcomes
+                    .iter()
+                    .map(|(k, n)| (serde_json::from_str(k).expect("JSON"), s.number(n, "count")))
+                    .collect();
+                assert_eq!(only, vec![(expected, 150)], "{}", s.all);
+            }
+            let messages = s.number(&step["messages"], "messages");
+            assert!(
+                (1..=30).contains(&messages),
+                "150 calls in {messages} messages\n{}",
+                s.all
+            );
+        }
+        let auto = s.step("auto-batch-again");
+        let (auto_tenant, auto_key) = (
+            auto["tenant"].as_str().expect("a tenant"),
+            auto["key"].as_str().expect("a key"),
+        );
+        assert_eq!(
+            rust.hit(hit(auto_tenant, auto_key, "rust-h9"), T).await,
+            Ok(HitOutcome::Duplicate {
+                hook_id: ha7.clone()
+            }),
+            "{}",
+            s.all
+        );
+
         s.expect_outcome(
             "foreign-duplicate",
             json!({"result": "duplicate", "hook_id": "rust-h1"}),
@@ -940,6 +992,16 @@ async fn python_edge_against_a_live_fleet() {
         s.error("timeout", "Timeout", "FleetError");
         let elapsed = s.number(&s.step("timeout")["elapsed_ms"], "elapsed_ms");
         assert!((190..=200 + SLACK_MS).contains(&elapsed), "{}", s.all);
+        // A call waiting behind one in flight ends at its own budget.
+        for (step, budget) in [("timeout-queued", 100), ("timeout-in-flight", 300)] {
+            s.error(step, "Timeout", "FleetError");
+            let elapsed = s.number(&s.step(step)["elapsed_ms"], "elapsed_ms");
+            assert!(
+                (budget - 10..=budget + SLACK_MS).contains(&elapsed),
+                "{step}: {elapsed} ms\n{}",
+                s.all
+            );
+        }
 
         // And the other way round: a key the Python edge committed is a
         // duplicate for the Rust edge.
@@ -951,6 +1013,41 @@ async fn python_edge_against_a_live_fleet() {
             Ok(HitOutcome::Duplicate { hook_id: h1 }),
             "{}",
             s.all
+        );
+    }
+
+    // The bench command: every hit answered ok and committed, batched or not.
+    let url = nats.url();
+    for batching in [None, Some("--no-batching")] {
+        let mut args = vec![
+            "bench",
+            "--nats",
+            &url,
+            "--instance",
+            "test",
+            "--shards",
+            "16",
+            "--calls",
+            "300",
+            "--concurrency",
+            "32",
+        ];
+        args.extend(batching);
+        let out = edge(&args, None).await.success();
+        let report: Value = serde_json::from_str(out.stdout.trim())
+            .unwrap_or_else(|e| panic!("not one JSON line ({e})\n{}", out.describe()));
+        assert_eq!(
+            report["batching"],
+            json!(batching.is_none()),
+            "{}",
+            out.describe()
+        );
+        assert_eq!(report["calls"], json!(600), "{}", out.describe());
+        assert_eq!(
+            report["outcomes"],
+            json!({"HitOk": 300, "SettleOk": 300}),
+            "{}",
+            out.describe()
         );
     }
 }
