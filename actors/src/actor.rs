@@ -3,7 +3,7 @@
 //!
 //! A request for a tenant whose actor runs (a hit, a settle, a reset or an
 //! inspect: a [`TenantRequest`]) goes straight to that actor
-//! ([`ShardHandle::send`]), so the tenant takes them in the order they came.
+//! ([`ShardHandle::send`]), into the one mailbox the tenant takes them from.
 //! Only a tenant without one goes through the shard actor, which starts it for
 //! a hit or a settle, and applies a reset or an inspect to the tenant's parked
 //! state without starting it. The shard never waits on a tenant. The shard
@@ -300,8 +300,8 @@ impl TenantActorState {
 }
 
 /// A request applied to one tenant's state: a hit, a settle, a reset or an
-/// inspect. All four go through the tenant's one mailbox, so a tenant sees
-/// them in the order they were routed, under the same queue bound.
+/// inspect. All four go through the tenant's one mailbox, under the same
+/// queue bound.
 pub trait TenantRequest: Sized + Send + 'static {
     type Outcome: Send + 'static;
     /// Whether the request starts a parked tenant's actor and counts as the
