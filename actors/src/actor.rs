@@ -873,7 +873,7 @@ pub async fn spawn_shard(
 mod tests {
     use super::*;
     use crate::clock::ManualClock;
-    use crate::types::{Charge, Claim, Kind};
+    use crate::types::{BucketView, Charge, Claim, Kind};
 
     fn hit(key: &str) -> HitRequest {
         HitRequest {
@@ -986,6 +986,34 @@ mod tests {
         assert!(matches!(read, Ok(Ok(Ok(_)))), "{read:?}");
         let reset = tokio::time::timeout(stall * 3, reset).await;
         assert!(matches!(reset, Ok(Ok(Ok(_)))), "{reset:?}");
+    }
+
+    /// A reset and then a hit, sent without waiting for the reset's answer,
+    /// reach a running tenant in that order: the reset takes no extra hop
+    /// through the shard's actor for the hit to overtake.
+    #[tokio::test]
+    async fn a_hit_sent_after_a_reset_does_not_overtake_it() {
+        let shard = shard_with(TenantFailure::RestartEmpty).await;
+        assert!(matches!(send_hit(&shard, "a").await, Some(Ok(_))));
+        let reset = shard.ask(ResetRequest { tenant: "t".into() }, None);
+        let again = shard.ask(hit("b"), None);
+        assert!(matches!(reset.await, Ok(Ok(_))));
+        assert!(matches!(again.await, Ok(Ok(_))));
+        let read = InspectRequest {
+            tenant: "t".into(),
+            claim: None,
+        };
+        let view = shard.ask(read, None).await;
+        // Reset, then one charge of 1 µs: the hooks bucket is 1 µs ahead
+        // (the other way round it would be full, and not listed).
+        let expected = vec![BucketView {
+            kind: Kind::Hooks,
+            ahead_us: 1,
+        }];
+        assert!(
+            matches!(&view, Ok(Ok(Applied { outcome, .. })) if outcome.buckets == expected),
+            "{view:?}"
+        );
     }
 
     /// An operator's read or reset waits in its tenant's queue as a hit does:
