@@ -415,7 +415,8 @@ def _check_shape(op: Op) -> None:
 
 
 def _text_rule(field: str, value: str, limit: int) -> dict | None:
-    n = len(value.encode("utf-8"))
+    # Limits are in UTF-8 bytes; an ASCII string has one a character.
+    n = len(value) if value.isascii() else len(value.encode("utf-8"))
     if n == 0:
         return {"reason": "empty", "field": field}
     if n > limit:
@@ -431,23 +432,28 @@ def _range_rule(field: str, value: int, limit: int) -> dict | None:
     return None
 
 
-def _first(*checks) -> dict | None:
-    for check in checks:
-        reason = check()
+def _first(rule: Callable, *fields: tuple) -> dict | None:
+    """The reason of the first ``(field, value, limit)`` that breaks ``rule``."""
+    for field, value, limit in fields:
+        reason = rule(field, value, limit)
         if reason is not None:
             return reason
     return None
 
 
 def _charge_rules(c: Charge) -> dict | None:
-    return _first(
-        lambda: _text_rule("tenant", c.tenant, _MAX_TENANT),
-        lambda: _range_rule("capacity_us", c.capacity_us, _MAX_CAPACITY_US),
-        # The spec gives increment_us the range 1 to capacity_us; a node reports
-        # a value over a year as out_of_range against that year, and anything
-        # else over the capacity as increment_exceeds_capacity.
-        lambda: _range_rule("increment_us", c.increment_us, _MAX_CAPACITY_US),
-        lambda: (
+    # The spec gives increment_us the range 1 to capacity_us; a node reports a
+    # value over a year as out_of_range against that year, and anything else
+    # over the capacity as increment_exceeds_capacity. Reasons are non-empty
+    # dicts, so `or` takes the first.
+    return (
+        _text_rule("tenant", c.tenant, _MAX_TENANT)
+        or _first(
+            _range_rule,
+            ("capacity_us", c.capacity_us, _MAX_CAPACITY_US),
+            ("increment_us", c.increment_us, _MAX_CAPACITY_US),
+        )
+        or (
             {
                 "reason": "increment_exceeds_capacity",
                 "increment_us": c.increment_us,
@@ -455,19 +461,22 @@ def _charge_rules(c: Charge) -> dict | None:
             }
             if c.increment_us > c.capacity_us
             else None
-        ),
+        )
     )
 
 
 def _claim_rules(c: Claim) -> dict | None:
     return _first(
-        lambda: _text_rule("tenant", c.tenant, _MAX_TENANT),
-        lambda: _text_rule("source_id", c.source_id, _MAX_SOURCE_ID),
-        lambda: _text_rule("key", c.key, _MAX_KEY),
-        lambda: _text_rule("hook_id", c.hook_id, _MAX_HOOK_ID),
-        lambda: _text_rule("node", c.node, _MAX_NODE),
-        lambda: _range_rule("ttl_ms", c.ttl_ms, _MAX_TTL_MS),
-        lambda: _range_rule("pending_ttl_ms", c.pending_ttl_ms, _MAX_PENDING_TTL_MS),
+        _text_rule,
+        ("tenant", c.tenant, _MAX_TENANT),
+        ("source_id", c.source_id, _MAX_SOURCE_ID),
+        ("key", c.key, _MAX_KEY),
+        ("hook_id", c.hook_id, _MAX_HOOK_ID),
+        ("node", c.node, _MAX_NODE),
+    ) or _first(
+        _range_rule,
+        ("ttl_ms", c.ttl_ms, _MAX_TTL_MS),
+        ("pending_ttl_ms", c.pending_ttl_ms, _MAX_PENDING_TTL_MS),
     )
 
 
@@ -504,9 +513,10 @@ def validate(op: Op) -> None:
     elif isinstance(op, Inspect) and op.claim is not None:
         event = op.claim
         reason = _first(
-            lambda: _text_rule("tenant", op.tenant, _MAX_TENANT),
-            lambda: _text_rule("source_id", event.source_id, _MAX_SOURCE_ID),
-            lambda: _text_rule("key", event.key, _MAX_KEY),
+            _text_rule,
+            ("tenant", op.tenant, _MAX_TENANT),
+            ("source_id", event.source_id, _MAX_SOURCE_ID),
+            ("key", event.key, _MAX_KEY),
         )
     else:
         reason = _text_rule("tenant", op.tenant, _MAX_TENANT)
