@@ -173,6 +173,20 @@ fn passed_checks(out: &Run) -> usize {
         .count()
 }
 
+/// A command's arguments for the live fleet of these tests (instance `test`,
+/// 16 shards) at `url`.
+fn against_fleet<'a>(command: &'a str, url: &'a str) -> Vec<&'a str> {
+    vec![
+        command,
+        "--nats",
+        url,
+        "--instance",
+        "test",
+        "--shards",
+        "16",
+    ]
+}
+
 /// Runs the Python edge client's command line.
 async fn edge(args: &[&str], stdin: Option<String>) -> Run {
     let python = python().await;
@@ -654,14 +668,8 @@ async fn python_edge_against_a_live_fleet() {
         );
 
         let url = nats.url();
-        let mut args = vec![
-            "scenario",
-            "--nats",
-            &url,
-            "--instance",
-            "test",
-            "--shards",
-            "16",
+        let mut args = against_fleet("scenario", &url);
+        args.extend([
             "--prefix",
             prefix,
             "--tenant",
@@ -670,7 +678,7 @@ async fn python_edge_against_a_live_fleet() {
             "src",
             "--foreign-key",
             &rust_key,
-        ];
+        ]);
         if compact {
             args.push("--compact");
         }
@@ -1019,19 +1027,8 @@ async fn python_edge_against_a_live_fleet() {
     // The bench command: every hit answered ok and committed, batched or not.
     let url = nats.url();
     for batching in [None, Some("--no-batching")] {
-        let mut args = vec![
-            "bench",
-            "--nats",
-            &url,
-            "--instance",
-            "test",
-            "--shards",
-            "16",
-            "--calls",
-            "300",
-            "--concurrency",
-            "32",
-        ];
+        let mut args = against_fleet("bench", &url);
+        args.extend(["--calls", "300", "--concurrency", "32"]);
         args.extend(batching);
         let out = edge(&args, None).await.success();
         let report: Value = serde_json::from_str(out.stdout.trim())
