@@ -9,8 +9,8 @@ use ankusa_actors::actor::Job;
 use ankusa_actors::{
     spawn_shard, Applied, Changes, Charge, Claim, ClaimView, EventKey, HitOutcome, HitRequest,
     InspectRequest, InvalidRequest, Kind, ManualClock, Refused, ResetRequest, SettleOutcome,
-    SettleRequest, Settlement, ShardConfig, ShardHandle, ShardMsg, ShardStats, TenantSnapshot,
-    TenantView,
+    SettleRequest, Settlement, ShardConfig, ShardHandle, ShardMsg, ShardStats, TenantRequest,
+    TenantSnapshot, TenantView,
 };
 use ractor::rpc::CallResult;
 use ractor::RpcReplyPort;
@@ -61,15 +61,24 @@ fn charge_only(c: Charge) -> HitRequest {
     }
 }
 
+/// The shard's answer to a tenant request: it answers every job.
+async fn answer<R: TenantRequest>(
+    shard: &ShardHandle,
+    req: R,
+    deadline: Option<Instant>,
+) -> Result<Applied<R::Outcome>, Refused> {
+    shard
+        .ask(req, deadline)
+        .await
+        .expect("the shard answers every job")
+}
+
 async fn hit_by(
     shard: &ShardHandle,
     req: HitRequest,
     deadline: Option<Instant>,
 ) -> Result<Applied<HitOutcome>, Refused> {
-    shard
-        .ask(req, deadline)
-        .await
-        .expect("the shard answers every job")
+    answer(shard, req, deadline).await
 }
 
 async fn hit(shard: &ShardHandle, req: HitRequest) -> HitOutcome {
@@ -82,10 +91,7 @@ async fn settle_by(
     settlement: Settlement,
     deadline: Option<Instant>,
 ) -> Result<Applied<SettleOutcome>, Refused> {
-    shard
-        .ask(SettleRequest { claim, settlement }, deadline)
-        .await
-        .expect("the shard answers every job")
+    answer(shard, SettleRequest { claim, settlement }, deadline).await
 }
 
 async fn settle(shard: &ShardHandle, claim: Claim, settlement: Settlement) -> SettleOutcome {
@@ -110,10 +116,7 @@ async fn reset(shard: &ShardHandle, tenant: &str) -> Result<Changes, Refused> {
     let req = ResetRequest {
         tenant: tenant.to_string(),
     };
-    let applied = shard
-        .ask(req, None)
-        .await
-        .expect("the shard answers every job");
+    let applied = answer(shard, req, None).await;
     applied.map(|applied| applied.changes)
 }
 
@@ -125,10 +128,7 @@ async fn inspect(shard: &ShardHandle, tenant: &str, key: &str) -> Result<TenantV
             key: key.into(),
         }),
     };
-    let applied = shard
-        .ask(req, None)
-        .await
-        .expect("the shard answers every job");
+    let applied = answer(shard, req, None).await;
     applied.map(|applied| applied.outcome)
 }
 
