@@ -1087,7 +1087,10 @@ class EdgeClient:
 
     def subject(self, tenant: str) -> str:
         """The subject of ``tenant``'s shard (§1)."""
-        return f"ankusa.{self.instance}.shard.{shard_of(tenant, self.shards)}"
+        return self._shard_subject(shard_of(tenant, self.shards))
+
+    def _shard_subject(self, shard: int) -> str:
+        return f"ankusa.{self.instance}.shard.{shard}"
 
     def node_subject(self, node: str) -> str:
         """The subject of the node ``node`` (§1)."""
@@ -1098,11 +1101,11 @@ class EdgeClient:
         that shard's calls: shard -> node_id."""
         return dict(self._owners)
 
-    def _learn(self, tenant: str, reply: Reply) -> None:
-        """Remembers the node a reply on ``tenant``'s shard subject names."""
+    def _learn(self, shard: int, reply: Reply) -> None:
+        """Remembers the node a reply on ``shard``'s subject names."""
         node = reply.node
         if self._node_batches and isinstance(node, str) and _NODE_ID.fullmatch(node):
-            self._owners[shard_of(tenant, self.shards)] = node
+            self._owners[shard] = node
 
     def _forget(self, node: str, tenant: str | None = None) -> None:
         """Forgets ``node`` as the server of ``tenant``'s shard, or of every
@@ -1246,8 +1249,9 @@ class EdgeClient:
         # shard's subject).
         groups: dict[str, tuple[str | None, list[int]]] = {}
         for i in indexes:
-            node = self._owners.get(shard_of(ops[i].tenant, self.shards))
-            subject = self.node_subject(node) if node else self.subject(ops[i].tenant)
+            shard = shard_of(ops[i].tenant, self.shards)
+            node = self._owners.get(shard)
+            subject = self.node_subject(node) if node else self._shard_subject(shard)
             groups.setdefault(subject, (node, []))[1].append(i)
 
         async def send(subject: str, node: str | None, indexes: list) -> None:
@@ -1296,7 +1300,7 @@ class EdgeClient:
                     error = UndecodableReply(f"not a batch reply of {len(indexes)} items: {body!r}")
                 else:
                     if node is None:
-                        self._learn(ops[indexes[0]].tenant, reply)
+                        self._learn(shard_of(ops[indexes[0]].tenant, self.shards), reply)
                     moved = []
                     for i, item in zip(indexes, body):
                         if node is not None and _is_wrong_node(item.body):
@@ -1343,8 +1347,9 @@ class EdgeClient:
         def encode(budget_ms: int) -> bytes:
             return _pack(op, budget_ms, self._compact)
 
-        reply = await self._send(self.subject(op.tenant), encode, deadline, timeout_ms)
-        self._learn(op.tenant, reply)
+        shard = shard_of(op.tenant, self.shards)
+        reply = await self._send(self._shard_subject(shard), encode, deadline, timeout_ms)
+        self._learn(shard, reply)
         return reply
 
     def _check(self, op: Op) -> None:
