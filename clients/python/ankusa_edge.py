@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import re
 import sys
 import time
@@ -149,6 +150,8 @@ _NODE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _FIRST_PAUSE_S = 0.002
 _MAX_PAUSE_S = 0.050
 _RETRY_ROUND_TRIP_S = 0.010
+
+_log = logging.getLogger("ankusa_edge")
 
 
 # ---------------------------------------------------------------------------
@@ -1048,9 +1051,12 @@ class EdgeClient:
 
     With ``node_batches`` (the default), batches go to the subject of the node
     that serves their shards, learned from the shards' replies (§1, §5.5),
-    and may mix shards. Turn it off for an edge whose NATS permissions do not
-    let it publish to ``ankusa.<instance>.node.*``: such a publish is refused
-    by the server and its batch would time out.
+    and may mix shards. An edge whose NATS permissions do not let it publish
+    to ``ankusa.<instance>.node.*`` has such a publish refused by the server,
+    and that batch times out; the client then sees the refusal in the
+    connection's ``last_error``, warns once (logger ``ankusa_edge``) and sends
+    every later batch to its shards' subjects. ``node_batches=False`` spares
+    it that first batch.
     """
 
     def __init__(
@@ -1116,6 +1122,23 @@ class EdgeClient:
         shard = shard_of(tenant, self.shards)
         if self._owners.get(shard) == node:
             del self._owners[shard]
+
+    def _node_subjects_refused(self) -> bool:
+        """Whether the server has refused this connection a publish to a node
+        subject (nats-py keeps a connection's last error). The first time,
+        turns node batches off for good, as the Rust edge does."""
+        error = str(getattr(self._nc, "last_error", None) or "").lower()
+        if "permissions violation for publish" not in error or self.node_subject("") not in error:
+            return False
+        if self._node_batches:
+            self._node_batches = False
+            self._owners.clear()
+            _log.warning(
+                "this edge may not publish to %s*: batches go shard by shard from now on "
+                "(grant the subjects, see docs/security.md, or pass node_batches=False)",
+                self.node_subject(""),
+            )
+        return True
 
     async def hit(
         self, charges: Sequence[Charge], claim: Claim | None = None, *, timeout_ms: int
@@ -1255,6 +1278,9 @@ class EdgeClient:
             groups.setdefault(subject, (node, []))[1].append(i)
 
         async def send(subject: str, node: str | None, indexes: list) -> None:
+            if node is not None and self._node_subjects_refused():
+                await by_shard(indexes)
+                return
             deadline = max(deadlines[i] for i in indexes)
 
             def encode(budget_ms: int) -> bytes:
@@ -1290,6 +1316,9 @@ class EdgeClient:
                     return
                 error = e
             except StoreError as e:
+                if node is not None and isinstance(e, Timeout):
+                    # Perhaps refused by the server: if so, not again.
+                    self._node_subjects_refused()
                 error = e
             else:
                 body = reply.body

@@ -10,6 +10,8 @@
 //!   binaries and [`cargo_bin`] to locate (and build) them.
 //! - [`fleet`]: our `ankusa-node` processes ([`NodeProcess`]) and bounded polling.
 //! - [`requests`]: builders for the contract's requests.
+//! - [`permissions`]: the deploy file's locked-down NATS users, and the
+//!   server's log of what it refused.
 //! - [`redis`]: a `redis-server` for the Redis + Lua baseline.
 //! - [`ports`]: free loopback ports that are not handed out twice per test process.
 //! - [`netcut`]: a loopback TCP proxy between one process and its nats-server(s)
@@ -22,6 +24,7 @@ pub mod fleet;
 pub mod history;
 pub mod nats;
 pub mod netcut;
+pub mod permissions;
 pub mod ports;
 pub mod process;
 pub mod redis;

@@ -24,7 +24,10 @@
 //!   `bench` command commits every hit it sends, a key either edge committed
 //!   (or claimed in a batch) is a duplicate (or pending) for the other, and its
 //!   degrading edge answers from the fleet while it can, then locally, with its
-//!   breaker open and fleet claims never settled locally.
+//!   breaker open and fleet claims never settled locally;
+//! - an edge whose NATS user may not publish to node subjects (the deploy
+//!   file's permissions) loses one batch to the refusal, warns, and batches to
+//!   shard subjects from then on.
 //!
 //! The interpreter comes from `ANKUSA_PYTHON` (set by `scripts/test.sh`, made by
 //! `scripts/ensure-python-edge.sh`); without it these tests fail, never skip.
@@ -40,9 +43,10 @@ use ankusa_actors::{
 };
 use ankusa_bus::protocol::{Op, Request};
 use ankusa_bus::{shard_of, FleetConfig, NatsOptions, Store};
+use ankusa_tests::permissions::{permissions_conf, violations, NODE_USER_ARGS};
 use ankusa_tests::requests::{hit, settle};
 use ankusa_tests::{
-    connected_edge, read_repo_file, workspace_root, NatsServer, NodeProcess, NodeSpec,
+    connected_edge, read_repo_file, workspace_root, NatsServer, NodeProcess, NodeSpec, ServerConfig,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -1047,4 +1051,87 @@ async fn python_edge_against_a_live_fleet() {
             out.describe()
         );
     }
+}
+
+#[tokio::test]
+async fn python_edge_stops_batching_to_node_subjects_it_may_not_publish_to() {
+    python().await;
+    // An edge user whose rights predate node batches: shard subjects only.
+    let old_edge = r#"    { user = "old-edge", password = "old-edge-pw", permissions = { publish = { allow = ["ankusa.prod.shard.*"] }, subscribe = { allow = ["_INBOX.>"] } } }"#;
+    let nats = NatsServer::start_with(ServerConfig::new().append(&permissions_conf(old_edge)))
+        .await
+        .expect("nats-server with the deploy permissions starts");
+    let mut spec = NodeSpec::fleet("n1", vec![nats.url()]);
+    spec.instance = "prod".into();
+    spec.shards = 16;
+    spec.extra_args = NODE_USER_ARGS.map(String::from).to_vec();
+    let node = NodeProcess::start(spec).expect("node");
+    node.wait_ready(Duration::from_secs(20))
+        .await
+        .expect("node ready");
+
+    // 64 callers at a time, each call with 500 ms: the first calls learn the
+    // node, the first batch to its subject is refused and times out, and from
+    // then on batches go to shard subjects. Left to batch to the node, every
+    // call after the first few would time out.
+    let url = format!("nats://old-edge:old-edge-pw@127.0.0.1:{}", nats.port());
+    let hits = 1000;
+    let concurrency = 64;
+    let args = [
+        "bench",
+        "--nats",
+        &url,
+        "--instance",
+        "prod",
+        "--shards",
+        "16",
+        "--calls",
+        &hits.to_string(),
+        "--concurrency",
+        &concurrency.to_string(),
+        "--timeout-ms",
+        "500",
+    ];
+    let out = edge(&args, None).await.success();
+    let report: Value = serde_json::from_str(out.stdout.trim())
+        .unwrap_or_else(|e| panic!("not one JSON line ({e})\n{}", out.describe()));
+    let count = |name: &str| report["outcomes"][name].as_u64().unwrap_or(0);
+    let (ok, committed, timed_out) = (count("HitOk"), count("SettleOk"), count("Timeout"));
+    assert_eq!(
+        ok + committed + timed_out,
+        report["calls"].as_u64().unwrap_or(0),
+        "only ok, committed and timed-out calls: {}",
+        out.describe()
+    );
+    // The calls caught by the refusal: at most the callers of two budgets.
+    assert!(
+        timed_out <= 2 * concurrency,
+        "{timed_out} calls timed out: {}",
+        out.describe()
+    );
+    assert!(
+        ok >= hits - timed_out,
+        "{ok} of {hits} hits ok: {}",
+        out.describe()
+    );
+    let refused = "user:old-edge\" - Publish Violation - Subject \"ankusa.prod.node.n1\"";
+    let refusals = violations(&nats)
+        .iter()
+        .filter(|l| l.contains(refused))
+        .count();
+    eprintln!("{refusals} refused publishes; bench: {}", out.stdout.trim());
+    // At least one, or the edge never tried; at most the messages that can be
+    // out at once before the refusal comes back: one per shard lane (each
+    // sends what gathered behind its first call to the node it learned) and
+    // four on the node's lane.
+    assert!(
+        (1..=16 + 4).contains(&refusals),
+        "{refusals} refused publishes to the node subject: {}",
+        nats.log_tail(20)
+    );
+    assert!(
+        out.stderr.contains("may not publish to ankusa.prod.node.*"),
+        "no warning: {}",
+        out.describe()
+    );
 }

@@ -20,29 +20,16 @@ use std::time::{Duration, Instant};
 use ankusa_actors::{HitOutcome, SettleOutcome, Settlement};
 use ankusa_bus::edge::{Edge, EdgeConfig, LocalReason, Source};
 use ankusa_bus::{FleetConfig, FleetStore, NatsOptions, Store, StoreError};
-use ankusa_tests::requests::{hit, settle};
-use ankusa_tests::{
-    connected_edge, read_repo_file, NatsServer, NodeProcess, NodeSpec, ServerConfig,
+use ankusa_tests::permissions::{
+    permissions_conf, violations, EDGE_PASSWORD, NODE_PASSWORD, NODE_USER_ARGS,
 };
+use ankusa_tests::requests::{hit, settle};
+use ankusa_tests::{connected_edge, NatsServer, NodeProcess, NodeSpec, ServerConfig};
 use futures::StreamExt;
 
 const SHARDS: u32 = 16;
 const INSTANCE: &str = "prod";
 const T: Duration = Duration::from_millis(500);
-const NODE_PASSWORD: &str = "node-secret-0008";
-const EDGE_PASSWORD: &str = "edge-secret-0008";
-
-/// The deploy file, with its password variables defined and `extra_users` added
-/// to its user list.
-fn permissions_conf(extra_users: &str) -> String {
-    let text = read_repo_file("deploy/nats/permissions.conf");
-    let users = "  users = [\n";
-    assert!(text.contains(users), "the file has a user list");
-    format!(
-        "ANKUSA_NODE_PASSWORD: \"{NODE_PASSWORD}\"\nANKUSA_EDGE_PASSWORD: \"{EDGE_PASSWORD}\"\n{}",
-        text.replacen(users, &format!("{users}{extra_users}\n"), 1)
-    )
-}
 
 fn options(url: &str, tweak: impl FnOnce(&mut NatsOptions)) -> NatsOptions {
     let mut nats = NatsOptions::with_servers([url]);
@@ -91,13 +78,7 @@ async fn start_node(spec: NodeSpec) -> NodeProcess {
 
 /// A fleet node connected as the file's `ankusa-node` user.
 async fn fleet_node_as_node_user(id: &str, url: &str) -> NodeProcess {
-    let auth = [
-        "--nats-user",
-        "ankusa-node",
-        "--nats-password",
-        NODE_PASSWORD,
-    ];
-    start_node(node_spec(id, url, "fleet", &auth)).await
+    start_node(node_spec(id, url, "fleet", &NODE_USER_ARGS)).await
 }
 
 /// An edge connected as `user`.
@@ -161,17 +142,6 @@ async fn assert_locked_out(nats: NatsOptions, what: &str) {
         },
         "{what}"
     );
-}
-
-/// Lines of the server's log reporting a permissions violation.
-fn violations(nats: &NatsServer) -> Vec<String> {
-    std::fs::read_to_string(nats.log_path())
-        .unwrap_or_default()
-        .lines()
-        // nats-server 2.11+: `... - "$G/user:<name>" - Publish Violation - Subject "<s>"`.
-        .filter(|l| l.contains(" Violation - "))
-        .map(str::to_string)
-        .collect()
 }
 
 /// `count` hits on as many tenants at once; how many were answered `Ok`.
