@@ -11,25 +11,36 @@
 # one nats-server with JetStream on 127.0.0.1 (port 4222 if free, else any free
 # port) and three ankusa-node processes in fleet mode (node-1..node-3), waits until
 # every node answers /readyz, then sends a burst of hits (claims, settles, replays)
-# and prints what they got. Everything lives under .fleet/ in the repository:
+# and prints what they got. Everything lives under .fleet/ in the repository
+# (or DEV_FLEET_DIR):
 # the JetStream store, logs and pid files. `--clean` wipes it first (state from an
 # earlier run otherwise survives: claims and buckets are in JetStream).
 #
 # Environment: DEV_FLEET_NODES (default 3), DEV_FLEET_SHARDS (default 64),
-# DEV_FLEET_INSTANCE (default `default`), DEV_FLEET_READY_S (default 60).
+# DEV_FLEET_INSTANCE (default `default`), DEV_FLEET_READY_S (default 60),
+# DEV_FLEET_DIR (default .fleet in the repository), DEV_FLEET_PROFILE (`release`,
+# the default, or `dev` for the debug build the tests use; tests/tests/dev_fleet.rs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-FLEET="$ROOT/.fleet"
+FLEET=${DEV_FLEET_DIR:-$ROOT/.fleet}
 RUN="$FLEET/run"
 NODES=${DEV_FLEET_NODES:-3}
 SHARDS=${DEV_FLEET_SHARDS:-64}
 INSTANCE=${DEV_FLEET_INSTANCE:-default}
 READY_S=${DEV_FLEET_READY_S:-60}
-BIN="$ROOT/target/release"
+PROFILE=${DEV_FLEET_PROFILE:-release}
 
 say() { printf 'dev-fleet: %s\n' "$*"; }
 die() { printf 'dev-fleet: %s\n' "$*" >&2; exit 1; }
+
+case "$PROFILE" in
+  release) BIN="${CARGO_TARGET_DIR:-$ROOT/target}/release" ;;
+  dev) BIN="${CARGO_TARGET_DIR:-$ROOT/target}/debug" ;;
+  *) die "DEV_FLEET_PROFILE must be release or dev, not $PROFILE" ;;
+esac
+# Paths as printed: relative to the repository when inside it.
+show() { printf '%s' "${1#"$ROOT"/}"; }
 
 usage() {
   sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
@@ -189,9 +200,9 @@ NATS_BIN=$(scripts/ensure-nats.sh) || die "no nats-server >= 2.11 (see scripts/e
 say "using $NATS_BIN ($("$NATS_BIN" --version))"
 
 # 2. build
-say "building ankusa-node (release) ..."
-cargo build --release --quiet -p ankusa-node --bins --example burst \
-  || die "cargo build --release -p ankusa-node failed (output above)"
+say "building ankusa-node ($PROFILE) ..."
+cargo build --profile "$PROFILE" --quiet -p ankusa-node --bins --example burst \
+  || die "cargo build --profile $PROFILE -p ankusa-node failed (output above)"
 
 # 3. nats-server with JetStream on loopback
 [ "$CLEAN" = 1 ] && rm -rf "$FLEET"
@@ -219,7 +230,7 @@ trap 'exit 143' TERM
 setsid "$NATS_BIN" -n ankusa-dev -a 127.0.0.1 -p "$NATS_PORT" -m "$NATS_MONITOR" \
   -js -sd "$FLEET/nats/store" >>"$FLEET/nats.log" 2>&1 </dev/null &
 echo $! >"$RUN/nats.pid"
-say "nats-server on $NATS_URL (pid $!, log .fleet/nats.log)"
+say "nats-server on $NATS_URL (pid $!, log $(show "$FLEET")/nats.log)"
 for _ in $(seq 1 150); do
   [ "$(http_code "$NATS_MONITOR" /healthz)" = 200 ] && break
   live_pid nats nats-server >/dev/null || fail_with_log "nats-server exited at start" "$FLEET/nats.log"
@@ -244,7 +255,7 @@ for i in $(seq 1 "$NODES"); do
     --instance "$INSTANCE" --shards "$SHARDS" --nats "$NATS_URL" \
     --http-addr "127.0.0.1:$port" >>"$FLEET/node-$i.log" 2>&1 </dev/null &
   echo $! >"$RUN/node-$i.pid"
-  say "node-$i on http://127.0.0.1:$port (pid $!, log .fleet/node-$i.log)"
+  say "node-$i on http://127.0.0.1:$port (pid $!, log $(show "$FLEET")/node-$i.log)"
 done
 
 say "waiting (at most ${READY_S} s) until every node is ready ..."
@@ -282,10 +293,10 @@ dev-fleet: the fleet is up.
   NATS         $NATS_URL  (instance \`$INSTANCE\`, $SHARDS shards)
   metrics      curl -s http://127.0.0.1:$HTTP_1/metrics | grep ^ankusa_
   readiness    curl -s http://127.0.0.1:$HTTP_1/readyz
-  logs         .fleet/nats.log, .fleet/node-1.log ...
+  logs         $(show "$FLEET")/nats.log, $(show "$FLEET")/node-1.log ...
   again        scripts/dev-fleet.sh burst
-  shard map    target/release/ankusa status --nats $NATS_URL
-  load         target/release/ankusa bench --nats $NATS_URL --duration-s 10
+  shard map    $(show "$BIN")/ankusa status --nats $NATS_URL
+  load         $(show "$BIN")/ankusa bench --nats $NATS_URL --duration-s 10
 EOF
 if [ "$DETACH" = 1 ]; then
   echo "  stop         scripts/dev-fleet.sh stop"

@@ -35,4 +35,6 @@ pub use fleet::{connected_edge, standalone_pair, wait_until, NodeProcess, NodeSp
 pub use nats::{nats_server_bin, try_nats_server_bin, NatsCluster, NatsServer, ServerConfig};
 pub use netcut::{Link, NetCut, NetCutStats};
 pub use ports::free_port;
-pub use process::{cargo_bin, read_repo_file, try_cargo_bin, workspace_root, ChildProcess, Signal};
+pub use process::{
+    cargo_bin, outer_cargo_env, read_repo_file, try_cargo_bin, workspace_root, ChildProcess, Signal,
+};

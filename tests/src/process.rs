@@ -401,6 +401,21 @@ fn build_once(name: &str, dir: &Path) -> Result<(), HarnessError> {
     })
 }
 
+/// Removes from `cmd`'s environment the variables cargo sets for a test
+/// binary, so that a cargo it runs builds as the outer `cargo test` did.
+/// Build scripts that rerun when those change (ring's does) would see them
+/// differ from the outer `cargo test` and rebuild, and the next `cargo test`
+/// would rebuild them back: minutes per run on a small box.
+pub fn outer_cargo_env(cmd: &mut Command) -> &mut Command {
+    for (key, _) in std::env::vars_os() {
+        let Some(key) = key.to_str() else { continue };
+        if is_test_package_var(key) {
+            cmd.env_remove(key);
+        }
+    }
+    cmd
+}
+
 /// Variables cargo sets for the test binary of a package, not for the cargo
 /// process that built it.
 fn is_test_package_var(key: &str) -> bool {
@@ -424,16 +439,8 @@ fn run_cargo_build(name: &str, dir: &Path) -> Result<(), String> {
     cmd.current_dir(workspace_root())
         .args(["build", "-p", "ankusa-node", "--bin", name]);
     // Cargo runs a test with its package's variables set (CARGO_PKG_NAME,
-    // CARGO_MANIFEST_DIR, OUT_DIR, ...). Build scripts that rerun when those
-    // change (ring's does) would see them differ from the outer `cargo test`
-    // and rebuild, and the next `cargo test` would rebuild them back: minutes
-    // per run on a small box. The nested build gets the outer environment.
-    for (key, _) in std::env::vars_os() {
-        let Some(key) = key.to_str() else { continue };
-        if is_test_package_var(key) {
-            cmd.env_remove(key);
-        }
-    }
+    // CARGO_MANIFEST_DIR, OUT_DIR, ...); the nested build gets the outer ones.
+    outer_cargo_env(&mut cmd);
     let profile = dir
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
