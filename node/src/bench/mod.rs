@@ -5,8 +5,9 @@
 //!   tenants (uniform or zipf), two charges and usually a claim per hit, a share
 //!   of redeliveries of committed keys, a settle after each `Ok`; closed loop
 //!   (N in flight) or open loop (a fixed offered rate, latency from each hit's
-//!   due time). It reports throughput, HDR latency percentiles and counts by
-//!   outcome, as JSON or a compact table, and ratios between runs.
+//!   due time).
+//! - [`report`]: what a run measured: throughput, HDR latency percentiles and
+//!   counts by outcome, as JSON or a compact table, and ratios between runs.
 //! - [`echo`]: the floor. The same encoded requests over the same NATS
 //!   request-reply, answered by a responder that does nothing: what the
 //!   transport alone costs; and [`echo::NodeEchoResponder`], a node that does
@@ -19,14 +20,16 @@
 //!
 //! The `ankusa bench` subcommand runs [`workload::run`] with one
 //! [`workload::WorkloadConfig`] against each and prints
-//! [`workload::comparison_table`]. Only loopback targets are meant: every run
+//! [`report::comparison_table`]. Only loopback targets are meant: every run
 //! is bounded in time and in hits.
 
 pub mod cpu;
 pub mod echo;
 pub mod redis_lua;
+pub mod report;
 pub mod workload;
 
 pub use echo::{EchoResponder, EchoStore, NodeEchoResponder};
 pub use redis_lua::RedisLuaStore;
-pub use workload::{run, LoadMode, TenantDistribution, WorkloadConfig, WorkloadReport};
+pub use report::WorkloadReport;
+pub use workload::{run, LoadMode, TenantDistribution, WorkloadConfig};

@@ -29,7 +29,8 @@ use clap::{Args, Subcommand};
 use serde::Serialize;
 
 use crate::bench::cpu::{self, Watched};
-use crate::bench::workload::{self, comparison_table, cpu_table, BucketLimits};
+use crate::bench::report::{comparison_table, cpu_table};
+use crate::bench::workload::{self, BucketLimits};
 use crate::bench::{
     EchoResponder, EchoStore, LoadMode, NodeEchoResponder, RedisLuaStore, TenantDistribution,
 };

@@ -202,7 +202,7 @@ impl From<StoreError> for CliError {
     fn from(err: StoreError) -> Self {
         let code = match &err {
             StoreError::Refused(reply) => reply.code.to_string(),
-            other => crate::bench::workload::error_kind(other),
+            other => crate::bench::report::error_kind(other),
         };
         CliError::Store {
             code,
