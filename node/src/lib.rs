@@ -8,7 +8,10 @@
 //! - [`time`]: the node's clock, kept with the NATS server's;
 //! - [`run`]: the node's life from start to graceful stop;
 //! - [`health`], [`http`]: readiness and the operator endpoints;
-//! - [`cli`]: the `ankusa` command line (hit, settle, reset, status, bench).
+//! - [`cli`]: the `ankusa` command line (hit, settle, reset, inspect, status,
+//!   bench);
+//! - [`bench`](mod@bench): the workload `ankusa bench` drives, against the fleet and its
+//!   two baselines (a bare NATS echo, Redis + Lua).
 
 pub mod bench;
 pub mod cli;
