@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use crate::nats::http_get;
+use crate::nats::{http_get, LOOPBACK};
 use crate::process::{cargo_bin, ChildProcess, Signal};
 use crate::{free_port, HarnessError};
 
@@ -99,7 +99,7 @@ impl NodeProcess {
             .args(["--lease-renew-ms", &spec.lease_renew_ms.to_string()])
             .args(["--lease-margin-ms", &spec.lease_margin_ms.to_string()])
             .args(["--kv-replicas", &spec.kv_replicas.to_string()])
-            .args(["--http-addr", &format!("127.0.0.1:{http_port}")])
+            .args(["--http-addr", &format!("{LOOPBACK}:{http_port}")])
             .args(&spec.extra_args)
             .env("ANKUSA_LOG", "info,ankusa_node=debug")
             .env_remove("ANKUSA_CONFIG")
@@ -109,7 +109,7 @@ impl NodeProcess {
 
     /// GET on the node's HTTP port: (status, body).
     pub async fn http(&self, path: &str) -> Result<(u16, String), HarnessError> {
-        http_get(self.http_port, path)
+        http_get(LOOPBACK, self.http_port, path)
             .await
             .map_err(|e| HarnessError::Io {
                 context: format!("GET {path} on node {}", self.spec.node_id),

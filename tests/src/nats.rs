@@ -24,7 +24,8 @@ use tokio::net::TcpStream;
 use crate::process::{tail_file, ChildProcess, Signal};
 use crate::{free_port, HarnessError};
 
-const LOOPBACK: &str = "127.0.0.1";
+pub(crate) const LOOPBACK: &str = "127.0.0.1";
+const LOOPBACK_V6: &str = "::1";
 const LOG_TAIL_LINES: usize = 40;
 /// Attempts at starting with fresh ports when one turned out to be taken meanwhile.
 const PORT_RETRIES: usize = 3;
@@ -123,6 +124,7 @@ pub struct ServerConfig {
     extra: String,
     jetstream: bool,
     no_advertise: bool,
+    ipv6: bool,
     ready_timeout: Duration,
 }
 
@@ -133,6 +135,7 @@ impl Default for ServerConfig {
             extra: String::new(),
             jetstream: true,
             no_advertise: false,
+            ipv6: false,
             ready_timeout: Duration::from_secs(15),
         }
     }
@@ -172,6 +175,13 @@ impl ServerConfig {
     /// the URLs it was given, so a proxy in front of them cannot be bypassed.
     pub fn no_advertise(mut self, on: bool) -> Self {
         self.no_advertise = on;
+        self
+    }
+
+    /// Listens on `::1` instead of `127.0.0.1` (clients and monitoring; a
+    /// cluster's routes stay on `127.0.0.1`).
+    pub fn ipv6(mut self) -> Self {
+        self.ipv6 = true;
         self
     }
 
@@ -307,7 +317,7 @@ impl NatsServer {
         let mut cmd = Command::new(&self.bin);
         cmd.arg("-c")
             .arg(&self.config_path)
-            .args(["-a", LOOPBACK])
+            .args(["-a", self.host()])
             .args(["-p", &self.ports.client.to_string()])
             .args(["-m", &self.ports.monitor.to_string()]);
         if self.config.jetstream {
@@ -363,7 +373,7 @@ impl NatsServer {
         // Client port: the server greets every connection with INFO, even under TLS
         // or auth, so this works for any config.
         let greet = async {
-            let stream = TcpStream::connect((LOOPBACK, self.ports.client))
+            let stream = TcpStream::connect((self.host(), self.ports.client))
                 .await
                 .map_err(|e| format!("client port {}: {e}", self.ports.client))?;
             let mut line = String::new();
@@ -380,16 +390,30 @@ impl NatsServer {
         tokio::time::timeout(Duration::from_secs(1), greet)
             .await
             .map_err(|_| "client port greeting timed out".to_string())??;
-        let (status, body) = http_get(self.ports.monitor, "/healthz").await?;
+        let (status, body) = http_get(self.host(), self.ports.monitor, "/healthz").await?;
         if status != 200 {
             return Err(format!("/healthz {status}: {}", body.trim()));
         }
         Ok(())
     }
 
-    /// Client URL, `nats://127.0.0.1:<port>`.
+    /// Client URL, `nats://127.0.0.1:<port>` (`nats://[::1]:<port>` with
+    /// [`ServerConfig::ipv6`]).
     pub fn url(&self) -> String {
-        format!("nats://{LOOPBACK}:{}", self.ports.client)
+        if self.config.ipv6 {
+            format!("nats://[{LOOPBACK_V6}]:{}", self.ports.client)
+        } else {
+            format!("nats://{LOOPBACK}:{}", self.ports.client)
+        }
+    }
+
+    /// The address it listens on.
+    fn host(&self) -> &'static str {
+        if self.config.ipv6 {
+            LOOPBACK_V6
+        } else {
+            LOOPBACK
+        }
     }
 
     /// Client port.
@@ -511,7 +535,7 @@ impl NatsServer {
 
     /// GET on the monitoring port, returning (status, body).
     pub async fn monitor_get(&self, path: &str) -> Result<(u16, String), HarnessError> {
-        http_get(self.ports.monitor, path)
+        http_get(self.host(), self.ports.monitor, path)
             .await
             .map_err(|e| HarnessError::Io {
                 context: format!("GET {path} on monitor port {}", self.ports.monitor),
@@ -535,13 +559,13 @@ fn port_clash(e: &HarnessError) -> bool {
     matches!(e, HarnessError::ExitedEarly { tail, .. } if tail.contains("address already in use"))
 }
 
-/// Minimal HTTP/1.0 GET against the loopback monitor port (no HTTP client dependency).
-pub(crate) async fn http_get(port: u16, path: &str) -> Result<(u16, String), String> {
+/// Minimal HTTP/1.0 GET against a loopback port of `host` (no HTTP client dependency).
+pub(crate) async fn http_get(host: &str, port: u16, path: &str) -> Result<(u16, String), String> {
     let request = async {
-        let mut stream = TcpStream::connect((LOOPBACK, port))
+        let mut stream = TcpStream::connect((host, port))
             .await
-            .map_err(|e| format!("monitor port {port}: {e}"))?;
-        let req = format!("GET {path} HTTP/1.0\r\nHost: {LOOPBACK}\r\nConnection: close\r\n\r\n");
+            .map_err(|e| format!("port {port}: {e}"))?;
+        let req = format!("GET {path} HTTP/1.0\r\nHost: localhost\r\nConnection: close\r\n\r\n");
         stream
             .write_all(req.as_bytes())
             .await
@@ -674,7 +698,7 @@ impl NatsCluster {
             if !m.is_running() {
                 continue;
             }
-            let (status, body) = http_get(m.ports.monitor, "/jsz").await?;
+            let (status, body) = http_get(m.host(), m.ports.monitor, "/jsz").await?;
             if status != 200 {
                 return Err(format!("{}: /jsz {status}", m.name));
             }

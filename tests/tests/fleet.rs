@@ -6,8 +6,8 @@
 //! nats-server restart, fencing of a paused (zombie) node, the claim log
 //! format a fleet writes beside a node of an earlier release, membership
 //! read from one watch of the heartbeats (not a consumer made every round),
-//! and the lease operations themselves (by revision; nothing kept for a write
-//! never acknowledged).
+//! the lease operations themselves (by revision; nothing kept for a write
+//! never acknowledged), and a fleet on the IPv6 loopback.
 
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
@@ -20,7 +20,9 @@ use ankusa_bus::{
 };
 use ankusa_node::fleet::target_owner;
 use ankusa_tests::requests::{hit, settle};
-use ankusa_tests::{connected_edge, wait_until, NatsServer, NetCut, NodeProcess, NodeSpec, Signal};
+use ankusa_tests::{
+    connected_edge, wait_until, NatsServer, NetCut, NodeProcess, NodeSpec, ServerConfig, Signal,
+};
 use futures::StreamExt;
 
 const SHARDS: u32 = 16;
@@ -108,6 +110,42 @@ async fn delete_stream(nats: &NatsServer, stream: &str) {
 /// taken only where none is held, renewed and released only with its
 /// current revision (a stale one is a lease lost), and taken again over the
 /// marker a release leaves.
+/// A nats-server that listens on `::1` only: a node and an edge reach it as
+/// `nats://[::1]:<port>`, the node takes every shard, and a hook's round
+/// (ok, commit, duplicate) works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_on_the_ipv6_loopback_serves() {
+    let nats = NatsServer::start_with(ServerConfig::new().ipv6())
+        .await
+        .expect("nats-server on ::1");
+    assert!(nats.url().starts_with("nats://[::1]:"), "{}", nats.url());
+    let node = node("v6", &nats);
+    node.wait_ready(Duration::from_secs(20))
+        .await
+        .expect("a node on the IPv6 loopback gets ready");
+    let edge = edge(&nats).await;
+    assert_eq!(
+        edge.hit(hit("acme", "v6-1", "h1"), T).await,
+        Ok(HitOutcome::Ok)
+    );
+    assert_eq!(
+        edge.settle(settle("acme", "v6-1", "h1", Settlement::Commit), T)
+            .await,
+        Ok(SettleOutcome::Ok)
+    );
+    assert_eq!(
+        edge.hit(hit("acme", "v6-1", "h2"), T).await,
+        Ok(HitOutcome::Duplicate {
+            hook_id: "h1".into()
+        })
+    );
+    let kv = kv(&nats).await;
+    assert_eq!(
+        kv.lease_holders().await.expect("holders").len(),
+        SHARDS as usize
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_are_taken_renewed_and_released_by_revision() {
     let nats = NatsServer::start().await.expect("nats");
