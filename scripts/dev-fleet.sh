@@ -41,6 +41,10 @@ case "$PROFILE" in
 esac
 # Paths as printed: relative to the repository when inside it.
 show() { printf '%s' "${1#"$ROOT"/}"; }
+# This script as printed in hints, with the settings that find this fleet again.
+SELF="scripts/dev-fleet.sh"
+[ "$FLEET" != "$ROOT/.fleet" ] && SELF="DEV_FLEET_DIR=$(show "$FLEET") $SELF"
+[ "$PROFILE" != release ] && SELF="DEV_FLEET_PROFILE=$PROFILE $SELF"
 
 usage() {
   sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
@@ -190,7 +194,7 @@ running() {
   return 1
 }
 if running; then
-  die "a fleet is already running here (scripts/dev-fleet.sh status; scripts/dev-fleet.sh stop)"
+  die "a fleet is already running here ($SELF status; $SELF stop)"
 fi
 command -v curl >/dev/null || die "curl is needed (to probe /readyz)"
 command -v python3 >/dev/null || die "python3 is needed (to find free ports and to install nats-server)"
@@ -294,12 +298,12 @@ dev-fleet: the fleet is up.
   metrics      curl -s http://127.0.0.1:$HTTP_1/metrics | grep ^ankusa_
   readiness    curl -s http://127.0.0.1:$HTTP_1/readyz
   logs         $(show "$FLEET")/nats.log, $(show "$FLEET")/node-1.log ...
-  again        scripts/dev-fleet.sh burst
+  again        $SELF burst
   shard map    $(show "$BIN")/ankusa status --nats $NATS_URL
   load         $(show "$BIN")/ankusa bench --nats $NATS_URL --duration-s 10
 EOF
 if [ "$DETACH" = 1 ]; then
-  echo "  stop         scripts/dev-fleet.sh stop"
+  echo "  stop         $SELF stop"
   exit 0
 fi
 echo "  stop         Ctrl-C"
