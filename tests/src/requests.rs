@@ -1,6 +1,12 @@
-//! Builders for the contract's requests, so tests read as the scenario they run.
+//! Builders for the contract's requests, so tests read as the scenario they run,
+//! and the round of a hook they all start from.
 
-use ankusa_actors::{Charge, Claim, HitRequest, Kind, SettleRequest, Settlement};
+use std::time::Duration;
+
+use ankusa_actors::{
+    Charge, Claim, HitOutcome, HitRequest, Kind, SettleOutcome, SettleRequest, Settlement,
+};
+use ankusa_bus::Store;
 
 /// A hook charge: `burst` hooks at once, then one per `per_ms`.
 pub fn hooks(tenant: &str, burst: u64, per_ms: u64) -> Charge {
@@ -47,4 +53,25 @@ pub fn settle(tenant: &str, key: &str, hook_id: &str, settlement: Settlement) ->
         claim: claim(tenant, key, hook_id),
         settlement,
     }
+}
+
+/// The whole round of a hook on `store`: hook `h1`'s hit on `key` is `Ok`, its
+/// commit `Ok`, and hook `h2`'s hit on the key then a `Duplicate` of `h1`.
+pub async fn round_trip(store: &impl Store, tenant: &str, key: &str, timeout: Duration) {
+    assert_eq!(
+        store.hit(hit(tenant, key, "h1"), timeout).await,
+        Ok(HitOutcome::Ok)
+    );
+    assert_eq!(
+        store
+            .settle(settle(tenant, key, "h1", Settlement::Commit), timeout)
+            .await,
+        Ok(SettleOutcome::Ok)
+    );
+    assert_eq!(
+        store.hit(hit(tenant, key, "h2"), timeout).await,
+        Ok(HitOutcome::Duplicate {
+            hook_id: "h1".into()
+        })
+    );
 }

@@ -19,7 +19,7 @@ use ankusa_bus::{
     server_caught_up, shard_of, FleetConfig, FleetStore, NatsOptions, Store, Subjects,
 };
 use ankusa_node::fleet::target_owner;
-use ankusa_tests::requests::{hit, settle};
+use ankusa_tests::requests::{hit, round_trip, settle};
 use ankusa_tests::{
     connected_edge, wait_until, NatsServer, NetCut, NodeProcess, NodeSpec, ServerConfig, Signal,
 };
@@ -123,22 +123,7 @@ async fn a_fleet_on_the_ipv6_loopback_serves() {
     node.wait_ready(Duration::from_secs(20))
         .await
         .expect("a node on the IPv6 loopback gets ready");
-    let edge = edge(&nats).await;
-    assert_eq!(
-        edge.hit(hit("acme", "v6-1", "h1"), T).await,
-        Ok(HitOutcome::Ok)
-    );
-    assert_eq!(
-        edge.settle(settle("acme", "v6-1", "h1", Settlement::Commit), T)
-            .await,
-        Ok(SettleOutcome::Ok)
-    );
-    assert_eq!(
-        edge.hit(hit("acme", "v6-1", "h2"), T).await,
-        Ok(HitOutcome::Duplicate {
-            hook_id: "h1".into()
-        })
-    );
+    round_trip(&edge(&nats).await, "acme", "v6-1", T).await;
     let kv = kv(&nats).await;
     assert_eq!(
         kv.lease_holders().await.expect("holders").len(),

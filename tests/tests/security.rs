@@ -17,13 +17,13 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use ankusa_actors::{HitOutcome, SettleOutcome, Settlement};
+use ankusa_actors::HitOutcome;
 use ankusa_bus::edge::{Edge, EdgeConfig, LocalReason, Source};
 use ankusa_bus::{FleetConfig, FleetStore, NatsOptions, Store, StoreError};
 use ankusa_tests::permissions::{
     permissions_conf, violations, EDGE_PASSWORD, NODE_PASSWORD, NODE_USER_ARGS,
 };
-use ankusa_tests::requests::{hit, settle};
+use ankusa_tests::requests::{hit, round_trip};
 use ankusa_tests::{connected_edge, NatsServer, NodeProcess, NodeSpec, ServerConfig};
 use futures::StreamExt;
 
@@ -90,26 +90,6 @@ async fn edge_as(url: &str, user: &str, password: &str) -> FleetStore {
     .await
 }
 
-/// The full round of a hook: Ok, commit, then Duplicate for a replay.
-async fn round_trip(store: &FleetStore, tenant: &str, key: &str) {
-    assert_eq!(
-        store.hit(hit(tenant, key, "h1"), T).await,
-        Ok(HitOutcome::Ok)
-    );
-    assert_eq!(
-        store
-            .settle(settle(tenant, key, "h1", Settlement::Commit), T)
-            .await,
-        Ok(SettleOutcome::Ok)
-    );
-    assert_eq!(
-        store.hit(hit(tenant, key, "h2"), T).await,
-        Ok(HitOutcome::Duplicate {
-            hook_id: "h1".into()
-        })
-    );
-}
-
 /// An edge the server refuses: it must keep failing fast with `Disconnected`
 /// (never an answer from the fleet) and the degrading edge must answer locally.
 async fn assert_locked_out(nats: NatsOptions, what: &str) {
@@ -168,7 +148,7 @@ async fn an_edge_with_a_private_inbox_prefix_is_answered_there() {
         o.inbox_prefix = Some("_INBOX_edge_eu1".into());
     }))
     .await;
-    round_trip(&edge, "acme", "evt-private").await;
+    round_trip(&edge, "acme", "evt-private", T).await;
     assert!(
         !violations(&nats)
             .iter()
@@ -251,8 +231,8 @@ async fn the_documented_permissions_let_node_and_edge_work_and_nobody_else() {
     let mut node = fleet_node_as_node_user("secure", &url).await;
 
     let edge = edge_as(&url, "ankusa-edge", EDGE_PASSWORD).await;
-    round_trip(&edge, "acme", "evt-1").await;
-    round_trip(&edge, "other.tenant", "evt-2").await;
+    round_trip(&edge, "acme", "evt-1", T).await;
+    round_trip(&edge, "other.tenant", "evt-2", T).await;
     let node_violations: Vec<_> = violations(&nats)
         .into_iter()
         .filter(|l| l.contains("user:ankusa-node"))
@@ -394,7 +374,7 @@ async fn token_and_nkey_authentication() {
     ))
     .await;
     let edge = connected(options(&url, |o| o.token = Some("tok-0008-secret".into()))).await;
-    round_trip(&edge, "acme", "tok-1").await;
+    round_trip(&edge, "acme", "tok-1", T).await;
     assert_locked_out(
         options(&url, |o| o.token = Some("wrong".into())),
         "wrong-token",
@@ -423,7 +403,7 @@ async fn token_and_nkey_authentication() {
     ))
     .await;
     let edge = connected(options(&url, |o| o.nkey_seed = Some(seed(&edge_key)))).await;
-    round_trip(&edge, "acme", "nkey-1").await;
+    round_trip(&edge, "acme", "nkey-1", T).await;
     assert_locked_out(
         options(&url, |o| o.nkey_seed = Some(seed(&stranger))),
         "unknown-nkey",
@@ -561,7 +541,7 @@ async fn tls_with_a_private_ca_and_client_certificates() {
         o.require_tls = true;
     };
     let edge = connected(options(&url, with_cert)).await;
-    round_trip(&edge, "acme", "tls-1").await;
+    round_trip(&edge, "acme", "tls-1", T).await;
 
     // Trusting the CA is not enough: the server wants a client certificate.
     assert_locked_out(
