@@ -222,6 +222,31 @@ pub async fn server_caught_up(client: &async_nats::Client) -> Result<(), Connect
     }
 }
 
+/// How often [`connection_ended`] asks whether the connection's task is
+/// still there.
+const CONNECTION_CHECK_EVERY: Duration = Duration::from_secs(1);
+
+/// Returns once `client`'s connection task has ended for good, which in
+/// async-nats is after a `drain`, or when the task panicked on something it
+/// read (as async-nats did before 0.52 on a line break in a header value).
+/// The client then never reconnects and every publish fails, while its
+/// state still reads "connected": a process holding it is alive, ready and
+/// useless until it is restarted. A reconnecting client does not end it.
+pub async fn connection_ended(client: &async_nats::Client) {
+    use async_nats::client::FlushErrorKind;
+    loop {
+        tokio::time::sleep(CONNECTION_CHECK_EVERY).await;
+        // A flush is a command to the connection's task; only a task that is
+        // gone refuses to take it. A disconnected one takes it and answers
+        // after the reconnect, which the timeout leaves for the next check.
+        if let Ok(Err(err)) = tokio::time::timeout(CONNECTION_CHECK_EVERY, client.flush()).await {
+            if err.kind() == FlushErrorKind::SendError {
+                return;
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::is_subject_prefix;

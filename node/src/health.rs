@@ -54,6 +54,16 @@ impl Health {
             .is_some_and(|c| c.connection_state() == async_nats::connection::State::Connected)
     }
 
+    /// Connections made so far, the first included: more than one means the
+    /// node lost NATS and reconnected.
+    fn connects(&self) -> u64 {
+        self.nats
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map_or(0, |c| c.statistics().connects.load(Ordering::Relaxed))
+    }
+
     /// `Ok(summary)` when ready to serve, else why not.
     pub fn readiness(&self) -> Result<String, String> {
         let served = self.shards_served.load(Ordering::Relaxed);
@@ -79,6 +89,7 @@ impl Health {
     /// Refreshes the gauges that are read rather than counted.
     pub fn export_gauges(&self) {
         metrics::gauge!("ankusa_nats_connected").set(if self.connected() { 1.0 } else { 0.0 });
+        metrics::counter!("ankusa_nats_connects_total").absolute(self.connects());
         metrics::gauge!("ankusa_shards_target")
             .set(self.shards_target.load(Ordering::Relaxed) as f64);
     }

@@ -98,6 +98,10 @@ pub fn describe_metrics() {
     );
     describe_gauge!("ankusa_nats_connected", "1 while connected to NATS");
     describe_counter!(
+        "ankusa_nats_connects_total",
+        "Connections to NATS made, the first included (each more is a reconnect)"
+    );
+    describe_counter!(
         "ankusa_shard_restarts_total",
         "Shard actors that failed and were reloaded from KV"
     );

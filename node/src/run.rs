@@ -30,6 +30,10 @@ pub enum NodeError {
     Host(#[from] HostError),
     #[error("fleet: {0}")]
     Fleet(String),
+    /// The NATS client's connection task ended: the node could no longer
+    /// reach anything, so it stops for its supervisor to start it afresh.
+    #[error("the NATS connection ended for good; exiting so that the node is restarted")]
+    ConnectionEnded,
 }
 
 /// How often shards get their tick (retire idle tenants, sweep claims when
@@ -114,11 +118,18 @@ pub async fn run(config: NodeConfig, shutdown: impl Future<Output = ()>) -> Resu
         "node starting"
     );
     let clock = Arc::new(node_clock());
-    match config.mode {
-        Mode::Standalone => standalone(config, client, health, shutdown, clock).await,
-        Mode::Fleet => crate::fleet::run(config, client, health, shutdown, clock)
-            .await
-            .map_err(|e| NodeError::Fleet(e.to_string())),
+    let watched = client.clone();
+    let serve = async move {
+        match config.mode {
+            Mode::Standalone => standalone(config, client, health, shutdown, clock).await,
+            Mode::Fleet => crate::fleet::run(config, client, health, shutdown, clock)
+                .await
+                .map_err(|e| NodeError::Fleet(e.to_string())),
+        }
+    };
+    tokio::select! {
+        served = serve => served,
+        () = ankusa_bus::connection_ended(&watched) => Err(NodeError::ConnectionEnded),
     }
 }
 

@@ -856,6 +856,205 @@ async fn a_fleet_node_survives_a_hostile_flood() {
     assert!(node.is_ready().await, "{}", node.log_tail(30));
 }
 
+/// Sends each header block in `blocks` to each of `subjects` as an `HPUB` (a
+/// hit with a reply subject) over a raw connection to `port`, and waits for
+/// the server's `PONG`. Raw bytes, not a client library's publish: a library
+/// may clean a header up before sending it, and an attacker's does not.
+async fn publish_headers(port: u16, subjects: &[String], blocks: &[&[u8]]) {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+    let stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("raw connection to nats-server");
+    let mut stream = BufReader::new(stream);
+    let mut line = String::new();
+    stream.read_line(&mut line).await.expect("server INFO");
+    assert!(line.starts_with("INFO "), "expected INFO, got {line:?}");
+
+    let mut frames =
+        b"CONNECT {\"verbose\":false,\"pedantic\":false,\"headers\":true,\"protocol\":1}\r\n"
+            .to_vec();
+    let payload = Request::new(1_000, Op::Hit(roomy_hit("broken-headers"))).encode();
+    for subject in subjects {
+        for block in blocks {
+            let sizes = format!("{} {}", block.len(), block.len() + payload.len());
+            frames
+                .extend_from_slice(format!("HPUB {subject} _INBOX.hostile {sizes}\r\n").as_bytes());
+            frames.extend_from_slice(block);
+            frames.extend_from_slice(&payload);
+            frames.extend_from_slice(b"\r\n");
+        }
+    }
+    frames.extend_from_slice(b"PING\r\n");
+    stream
+        .get_mut()
+        .write_all(&frames)
+        .await
+        .expect("frames sent");
+
+    // The server took every frame (no `-ERR`), so each went on to the node.
+    loop {
+        line.clear();
+        let read = tokio::time::timeout(Duration::from_secs(5), stream.read_line(&mut line))
+            .await
+            .expect("server answers PING within 5 s")
+            .expect("read from nats-server");
+        assert!(read > 0, "nats-server closed the raw connection");
+        assert!(
+            !line.starts_with("-ERR"),
+            "nats-server refused a frame: {line:?}"
+        );
+        if line.starts_with("PONG") {
+            break;
+        }
+    }
+}
+
+/// Hits every shard of `store` for `over`, each answered from the fleet.
+async fn every_shard_answers(store: &FleetStore, node: &NodeProcess, label: &str, over: Duration) {
+    let until = Instant::now() + over;
+    let mut round = 0;
+    while Instant::now() < until {
+        for shard in 0..SHARDS {
+            let tenant = tenants_of_shard(&format!("{label}-{round}-"), shard, 1).remove(0);
+            assert_eq!(
+                store
+                    .hit(hit(&tenant, "k", "h"), Duration::from_secs(1))
+                    .await,
+                Ok(HitOutcome::Ok),
+                "{label}: shard {shard}, round {round}; node log:\n{}",
+                node.log_tail(30)
+            );
+        }
+        round += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Headers are read by the node's NATS library before the node sees a
+/// message. A `\r` in a header value panicked async-nats's connection task
+/// before 0.52, which cut the node off NATS for good with one message; 0.52
+/// reads it. Header blocks the library cannot parse at all (a line without a
+/// colon, a bare `\n` in a value, a bad name, bytes that are not UTF-8) still
+/// end its connection: the node reconnects and serves on, shards and process
+/// kept. `docs/security.md` ("Hostile payloads") says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_the_nats_library_chokes_on_do_not_cut_a_node_off() {
+    let _serial = SERIAL.lock().await;
+    let nats = NatsServer::start().await.expect("nats-server starts");
+    let node_id = "broken-headers";
+    let mut node = start_node(NodeSpec::fleet(node_id, vec![nats.url()])).await;
+    let store = connected_store(&nats.url()).await;
+    every_shard_answers(&store, &node, "before", Duration::ZERO).await;
+    let subjects = subjects();
+    let targets: Vec<String> = (0..SHARDS)
+        .map(|n| subjects.shard(n))
+        .chain([subjects.node(node_id)])
+        .collect();
+    let connects = || async {
+        tokio::time::sleep(Duration::from_millis(1_500)).await; // exported each second
+        node.metric("ankusa_nats_connects_total").await
+    };
+    assert_eq!(connects().await, Some(1.0));
+
+    // Carriage returns inside values: read, and the connection stays.
+    let carriage_returns: [&[u8]; 3] = [
+        b"NATS/1.0\r\nX-Hostile: a\rb\r\n\r\n",
+        b"NATS/1.0\r\nX-Hostile: \r\r\n\r\n",
+        b"NATS/1.0\r\nX-Hostile: a\r\rb\r\n\r\n",
+    ];
+    publish_headers(nats.port(), &targets, &carriage_returns).await;
+    every_shard_answers(&store, &node, "after-cr", Duration::from_secs(2)).await;
+    assert_eq!(
+        connects().await,
+        Some(1.0),
+        "a `\\r` in a header value cost the node its connection; log:\n{}",
+        node.log_tail(30)
+    );
+
+    // Blocks the library cannot parse: each set ends the connection once.
+    let unreadable: [&[u8]; 5] = [
+        b"NATS/1.0\r\nX-Hostile: a\nb\r\n\r\n",
+        b"NATS/1.0\r\nno colon on this line\r\n\r\n",
+        b"NATS/1.0\r\nBad Name: v\r\n\r\n",
+        b"NATS/1.0\r\nX-Hostile: \xff\xfe\r\n\r\n",
+        b"NATS/1.0 abc\r\n\r\n",
+    ];
+    for (i, block) in unreadable.iter().enumerate() {
+        let before = connects().await.unwrap_or(0.0);
+        publish_headers(nats.port(), &targets, &[block]).await;
+        // Edge calls sent while the node reconnects are lost; it is back
+        // within a moment.
+        let back = ankusa_tests::wait_until(Duration::from_secs(5), || async {
+            store
+                .hit(
+                    hit(&format!("back-{i}"), "k", "h"),
+                    Duration::from_millis(200),
+                )
+                .await
+                .is_ok()
+        })
+        .await;
+        assert!(
+            back.is_ok(),
+            "block {i}: no answer for 5 s; log:\n{}",
+            node.log_tail(30)
+        );
+        every_shard_answers(&store, &node, &format!("after-{i}"), Duration::from_secs(1)).await;
+        let after = connects().await.unwrap_or(0.0);
+        eprintln!("block {i}: answered again after {back:?}, connects {before} -> {after}");
+        assert!(
+            after > before,
+            "block {i} no longer ends the node's connection: async-nats reads it now; \
+             update docs/security.md (\"Hostile payloads\")"
+        );
+    }
+    assert!(node.process().is_running(), "{}", node.log_tail(30));
+    assert!(node.is_ready().await, "{}", node.log_tail(30));
+    assert_eq!(
+        node.metric("ankusa_shards_owned").await,
+        Some(f64::from(SHARDS)),
+        "the node kept every shard"
+    );
+}
+
+/// What a node watches so that it never lingers with a dead NATS connection
+/// (a connection task that panicked, say): a client that only lost its server
+/// is left alone, however long it takes to reconnect; one whose task ended is
+/// noticed within a few seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_ended_for_good_is_told_from_one_reconnecting() {
+    let _serial = SERIAL.lock().await;
+    let mut nats = NatsServer::start().await.expect("nats-server starts");
+    let client = NatsOptions::with_servers([nats.url()])
+        .connect()
+        .await
+        .expect("client");
+    let watch = {
+        let client = client.clone();
+        tokio::spawn(async move { ankusa_bus::connection_ended(&client).await })
+    };
+
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    assert!(!watch.is_finished(), "ended while connected");
+    nats.stop().await.expect("nats-server stops");
+    tokio::time::sleep(Duration::from_millis(3_500)).await;
+    assert!(!watch.is_finished(), "ended while reconnecting");
+    nats.start_again().await.expect("nats-server starts again");
+    let connected = ankusa_tests::wait_until(Duration::from_secs(10), || async {
+        client.connection_state() == async_nats::connection::State::Connected
+    })
+    .await;
+    assert!(connected.is_ok(), "no reconnect within 10 s");
+    assert!(!watch.is_finished(), "ended after the reconnect");
+
+    client.drain().await.expect("drain");
+    tokio::time::timeout(Duration::from_secs(5), watch)
+        .await
+        .expect("the end of the connection is noticed within 5 s")
+        .expect("watch task");
+}
+
 /// Tenants and keys a subject-based design would choke on.
 fn odd_names() -> Vec<(&'static str, &'static str)> {
     vec![

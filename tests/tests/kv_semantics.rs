@@ -1,5 +1,5 @@
 //! Probe of the JetStream KV semantics the node's leases and claim persistence rely
-//! on, with async-nats 0.51 against a real nats-server (established on 2.15.1). Each
+//! on, with async-nats 0.51 and 0.52 against a real nats-server (established on 2.15.1). Each
 //! finding below is asserted by a test in this file, so a server or client upgrade
 //! that changes one fails here first.
 //!

@@ -43,8 +43,8 @@ impl Write {
     /// Drops every revision of the key, leaving a marker that expires by itself.
     pub(super) fn purge(bucket: &str, key: &str) -> Self {
         let mut headers = HeaderMap::new();
-        headers.insert("KV-Operation", HeaderValue::from("PURGE"));
-        headers.insert(header::NATS_ROLLUP, HeaderValue::from("sub"));
+        headers.insert("KV-Operation", "PURGE");
+        headers.insert(header::NATS_ROLLUP, "sub");
         headers.insert(header::NATS_MESSAGE_TTL, HeaderValue::from(1u64));
         Self {
             subject: format!("$KV.{bucket}.{key}"),
