@@ -232,6 +232,10 @@ const CONNECTION_CHECK_EVERY: Duration = Duration::from_secs(1);
 /// The client then never reconnects and every publish fails, while its
 /// state still reads "connected": a process holding it is alive, ready and
 /// useless until it is restarted. A reconnecting client does not end it.
+///
+/// `ankusa-node` exits when its connection ends. An edge that wants the same
+/// watches its store's, `connection_ended(store.nats())`: until it acts,
+/// every call of its [`Edge`](crate::Edge) is answered from local state.
 pub async fn connection_ended(client: &async_nats::Client) {
     use async_nats::client::FlushErrorKind;
     loop {
