@@ -73,6 +73,19 @@ fn lease_valid_until(config: &NodeConfig, sent: Instant) -> std::time::Instant {
     (sent + keep).into_std()
 }
 
+/// How long a lease renewal waits for its ack: half of what a lease's
+/// validity leaves after the round that sends it is due. A renewal whose ack
+/// is lost (the connection dropped and came back) then fails in time for the
+/// next round, which starts at once, to renew again while the lease still
+/// holds; waiting a whole TTL let every lease of the node lapse over one lost
+/// ack.
+fn renewal_wait(config: &NodeConfig) -> Duration {
+    let slack = config.lease_ttl().saturating_sub(Duration::from_millis(
+        config.lease_margin_ms + config.lease_renew_ms,
+    ));
+    slack / 2
+}
+
 /// The longest a graceful leave may take: three lease TTLs, and at least 10 s.
 /// A healthy leave hands a shard back in about 100 ms.
 fn leave_bound(config: &NodeConfig) -> Duration {
@@ -204,14 +217,15 @@ impl Fleet {
     async fn renew(&mut self) {
         self.last_renew = Instant::now();
         let ttl = self.config.lease_ttl();
+        let wait = renewal_wait(&self.config);
         // All at once: one after another, a round with NATS out of reach would
-        // wait out every shard's bound in turn (shards × TTL).
+        // wait out every shard's bound in turn.
         let renewals = self.held.iter().map(|(&shard, held)| {
             let sent = Instant::now();
             let renewal = self
                 .kv
                 .renew_lease(shard, &self.config.node_id, held.revision, ttl);
-            async move { (shard, sent, within(ttl, renewal).await) }
+            async move { (shard, sent, within(wait, renewal).await) }
         });
         let renewed = futures::future::join_all(renewals).await;
         let mut lost = Vec::new();
@@ -619,7 +633,10 @@ pub async fn run(
             let work = async {
                 if now >= next_round {
                     waiting = fleet.round().await;
-                    next_round = Instant::now() + renew_every;
+                    // From the round's start: a round that waited out a
+                    // lost ack is followed at once by the next, which
+                    // renews again while the leases still hold.
+                    next_round = now + renew_every;
                     next_acquire = Instant::now() + ACQUIRE_RETRY;
                 } else if waiting && now >= next_acquire {
                     waiting = fleet.acquire().await;
@@ -672,6 +689,28 @@ mod tests {
 
     fn nodes(n: usize) -> BTreeSet<String> {
         (0..n).map(|i| format!("node-{i}")).collect()
+    }
+
+    #[test]
+    fn a_renewal_gives_up_in_time_for_the_next_round_to_keep_the_lease() {
+        for (ttl, margin, renew) in [(5_000, 1_000, 1_000), (2_000, 500, 400), (3_000, 0, 2_999)] {
+            let config = NodeConfig {
+                lease_ttl_ms: ttl,
+                lease_margin_ms: margin,
+                lease_renew_ms: renew,
+                ..NodeConfig::default()
+            };
+            let wait = renewal_wait(&config);
+            // The round after the last good renewal starts `renew` later and
+            // gives up `wait` after that; the retry must leave the lease valid.
+            assert!(!wait.is_zero());
+            assert!(
+                Duration::from_millis(renew) + wait < Duration::from_millis(ttl - margin),
+                "{ttl}/{margin}/{renew}: waits {wait:?}"
+            );
+        }
+        let defaults = NodeConfig::default();
+        assert_eq!(renewal_wait(&defaults), Duration::from_millis(1_500));
     }
 
     #[test]

@@ -147,11 +147,6 @@ async fn leases_are_taken_renewed_and_released_by_revision() {
     let renewed = kv.renew_lease(3, "n1", first, ttl).await.expect("renewed");
     assert!(renewed > first, "revision {renewed} after {first}");
     assert_eq!(
-        kv.renew_lease(3, "n1", first, ttl).await,
-        Err(LeaseError::Lost { shard: 3 }),
-        "a renewal with a stale revision"
-    );
-    assert_eq!(
         kv.release_lease(3, first).await,
         Err(LeaseError::Lost { shard: 3 }),
         "a release with a stale revision"
@@ -159,18 +154,34 @@ async fn leases_are_taken_renewed_and_released_by_revision() {
     assert_eq!(kv.lease_holders().await.expect("holders")[&3], "n1");
     kv.release_lease(3, renewed).await.expect("released");
     assert!(!kv.lease_holders().await.expect("holders").contains_key(&3));
-    kv.acquire_lease(3, "n2", ttl)
+    assert_eq!(
+        kv.renew_lease(3, "n1", renewed, ttl).await,
+        Err(LeaseError::Lost { shard: 3 }),
+        "a renewal of a released lease"
+    );
+    let taken = kv
+        .acquire_lease(3, "n2", ttl)
         .await
         .expect("taken over the release's marker");
     assert_eq!(kv.lease_holders().await.expect("holders")[&3], "n2");
+    assert_eq!(
+        kv.renew_lease(3, "n1", renewed, ttl).await,
+        Err(LeaseError::Lost { shard: 3 }),
+        "a renewal of a lease another node took"
+    );
+    assert_eq!(kv.lease_holders().await.expect("holders")[&3], "n2");
+    kv.renew_lease(3, "n2", taken, ttl)
+        .await
+        .expect("the new holder renews");
     assert_eq!(kv.awaiting_acks(), 0);
 }
 
 /// A lease whose last write was this process's own, though its ack was never
 /// read (the write waited in a paused server and landed after the node had let
-/// the shard go), is taken over at once by the same `FleetKv` and node id;
-/// a namesake (another process under the same node id: a restart, a zombie)
-/// and another node id wait, as for any lease held.
+/// the shard go, or the connection dropped before the ack came), is taken over
+/// at once by the same `FleetKv` and node id, whether it takes the shard again
+/// or renews it; a namesake (another process under the same node id: a
+/// restart, a zombie) and another node id wait, as for any lease held.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_process_that_wrote_a_lease_takes_it_over() {
     let nats = NatsServer::start().await.expect("nats");
@@ -184,10 +195,17 @@ async fn only_the_process_that_wrote_a_lease_takes_it_over() {
         .await
         .expect("our own lease is taken over");
     assert!(adopted > written, "revision {adopted} after {written}");
+    // As if `adopted`'s ack had been lost too: the next renewal is sent with
+    // the revision before it, and takes the lease over at its own write.
+    let renewed = ours
+        .renew_lease(5, "n1", written, ttl)
+        .await
+        .expect("a renewal behind our own write takes it over");
+    assert!(renewed > adopted, "revision {renewed} after {adopted}");
     assert_eq!(
-        ours.renew_lease(5, "n1", written, ttl).await,
+        namesake.renew_lease(5, "n1", written, ttl).await,
         Err(LeaseError::Lost { shard: 5 }),
-        "the lease moved on from the revision it was taken over at"
+        "another process under the same node id, renewing behind our write"
     );
     match namesake.acquire_lease(5, "n1", ttl).await {
         Err(LeaseError::Taken { shard: 5, holder }) => assert_eq!(holder, "n1"),
@@ -197,7 +215,7 @@ async fn only_the_process_that_wrote_a_lease_takes_it_over() {
         Err(LeaseError::Taken { shard: 5, holder }) => assert_eq!(holder, "n1"),
         other => panic!("another node id through the same FleetKv: {other:?}"),
     }
-    ours.renew_lease(5, "n1", adopted, ttl)
+    ours.renew_lease(5, "n1", renewed, ttl)
         .await
         .expect("the taken-over lease renews");
 }

@@ -25,7 +25,7 @@ use ankusa_bus::{shard_of, FleetConfig, FleetStore, NatsOptions, Store, StoreErr
 use ankusa_tests::requests::{claim, hit, settle};
 use ankusa_tests::{connected_edge, NatsServer, NodeProcess, NodeSpec};
 use bytes::Bytes;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -856,58 +856,81 @@ async fn a_fleet_node_survives_a_hostile_flood() {
     assert!(node.is_ready().await, "{}", node.log_tail(30));
 }
 
-/// Sends each header block in `blocks` to each of `subjects` as an `HPUB` (a
-/// hit with a reply subject) over a raw connection to `port`, and waits for
-/// the server's `PONG`. Raw bytes, not a client library's publish: a library
-/// may clean a header up before sending it, and an attacker's does not.
-async fn publish_headers(port: u16, subjects: &[String], blocks: &[&[u8]]) {
-    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+/// A NATS client that writes raw protocol frames: an attacker's client, which
+/// sends header blocks as they are, where a library may clean them up first.
+struct RawPublisher {
+    stream: tokio::io::BufReader<tokio::net::TcpStream>,
+    payload: Vec<u8>,
+}
 
-    let stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .expect("raw connection to nats-server");
-    let mut stream = BufReader::new(stream);
-    let mut line = String::new();
-    stream.read_line(&mut line).await.expect("server INFO");
-    assert!(line.starts_with("INFO "), "expected INFO, got {line:?}");
-
-    let mut frames =
-        b"CONNECT {\"verbose\":false,\"pedantic\":false,\"headers\":true,\"protocol\":1}\r\n"
-            .to_vec();
-    let payload = Request::new(1_000, Op::Hit(roomy_hit("broken-headers"))).encode();
-    for subject in subjects {
-        for block in blocks {
-            let sizes = format!("{} {}", block.len(), block.len() + payload.len());
-            frames
-                .extend_from_slice(format!("HPUB {subject} _INBOX.hostile {sizes}\r\n").as_bytes());
-            frames.extend_from_slice(block);
-            frames.extend_from_slice(&payload);
-            frames.extend_from_slice(b"\r\n");
-        }
-    }
-    frames.extend_from_slice(b"PING\r\n");
-    stream
-        .get_mut()
-        .write_all(&frames)
-        .await
-        .expect("frames sent");
-
-    // The server took every frame (no `-ERR`), so each went on to the node.
-    loop {
-        line.clear();
-        let read = tokio::time::timeout(Duration::from_secs(5), stream.read_line(&mut line))
+impl RawPublisher {
+    async fn connect(port: u16) -> Self {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+        let stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
             .await
-            .expect("server answers PING within 5 s")
-            .expect("read from nats-server");
-        assert!(read > 0, "nats-server closed the raw connection");
-        assert!(
-            !line.starts_with("-ERR"),
-            "nats-server refused a frame: {line:?}"
-        );
-        if line.starts_with("PONG") {
-            break;
+            .expect("raw connection to nats-server");
+        let mut stream = tokio::io::BufReader::new(stream);
+        let mut line = String::new();
+        stream.read_line(&mut line).await.expect("server INFO");
+        assert!(line.starts_with("INFO "), "expected INFO, got {line:?}");
+        stream
+            .get_mut()
+            .write_all(b"CONNECT {\"verbose\":false,\"pedantic\":false,\"headers\":true,\"protocol\":1}\r\n")
+            .await
+            .expect("CONNECT sent");
+        let payload = Request::new(1_000, Op::Hit(roomy_hit("broken-headers"))).encode();
+        Self { stream, payload }
+    }
+
+    /// Sends each header block in `blocks` to each of `subjects` as an
+    /// `HPUB` (a hit with a reply subject), and waits for the server's
+    /// `PONG`: it took every frame (no `-ERR`), so each went on.
+    async fn send(&mut self, subjects: &[String], blocks: &[&[u8]]) {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+        let mut frames = Vec::new();
+        for subject in subjects {
+            for block in blocks {
+                let sizes = format!("{} {}", block.len(), block.len() + self.payload.len());
+                frames.extend_from_slice(
+                    format!("HPUB {subject} _INBOX.hostile {sizes}\r\n").as_bytes(),
+                );
+                frames.extend_from_slice(block);
+                frames.extend_from_slice(&self.payload);
+                frames.extend_from_slice(b"\r\n");
+            }
+        }
+        frames.extend_from_slice(b"PING\r\n");
+        self.stream
+            .get_mut()
+            .write_all(&frames)
+            .await
+            .expect("frames sent");
+        let mut line = String::new();
+        loop {
+            line.clear();
+            let read =
+                tokio::time::timeout(Duration::from_secs(5), self.stream.read_line(&mut line))
+                    .await
+                    .expect("server answers PING within 5 s")
+                    .expect("read from nats-server");
+            assert!(read > 0, "nats-server closed the raw connection");
+            assert!(
+                !line.starts_with("-ERR"),
+                "nats-server refused a frame: {line:?}"
+            );
+            if line.starts_with("PONG") {
+                break;
+            }
         }
     }
+}
+
+/// Sends `blocks` to `subjects` over a fresh raw connection.
+async fn publish_headers(port: u16, subjects: &[String], blocks: &[&[u8]]) {
+    RawPublisher::connect(port)
+        .await
+        .send(subjects, blocks)
+        .await;
 }
 
 /// Hits every shard of `store` for `over`, each answered from the fleet.
@@ -980,8 +1003,8 @@ async fn headers_the_nats_library_chokes_on_do_not_cut_a_node_off() {
         b"NATS/1.0\r\nX-Hostile: \xff\xfe\r\n\r\n",
         b"NATS/1.0 abc\r\n\r\n",
     ];
+    let mut before = 1.0;
     for (i, block) in unreadable.iter().enumerate() {
-        let before = connects().await.unwrap_or(0.0);
         publish_headers(nats.port(), &targets, &[block]).await;
         // Edge calls sent while the node reconnects are lost; it is back
         // within a moment.
@@ -1008,6 +1031,7 @@ async fn headers_the_nats_library_chokes_on_do_not_cut_a_node_off() {
             "block {i} no longer ends the node's connection: async-nats reads it now; \
              update docs/security.md (\"Hostile payloads\")"
         );
+        before = after;
     }
     assert!(node.process().is_running(), "{}", node.log_tail(30));
     assert!(node.is_ready().await, "{}", node.log_tail(30));
@@ -1016,6 +1040,69 @@ async fn headers_the_nats_library_chokes_on_do_not_cut_a_node_off() {
         Some(f64::from(SHARDS)),
         "the node kept every shard"
     );
+}
+
+/// A header block the NATS library cannot read ends the node's connection;
+/// sent just as the node renews its leases, it takes with it the acks of the
+/// renewals in flight. The node must keep its leases all the same: a
+/// renewal gives up in time for the next round, which takes over the lease
+/// at its own unacknowledged write. Waiting a lease TTL for a lost ack let
+/// every lease of the node lapse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnect_in_the_middle_of_a_renewal_round_loses_no_lease() {
+    const ROUNDS: usize = 8;
+    let _serial = SERIAL.lock().await;
+    let nats = NatsServer::start().await.expect("nats-server starts");
+    let node_id = "renewing";
+    let node = start_node(NodeSpec::fleet(node_id, vec![nats.url()])).await;
+    let store = connected_store(&nats.url()).await;
+    let watcher = nats.connect().await.expect("watcher connects");
+    let mut renewals = watcher
+        .subscribe(format!("$KV.ankusa_{INSTANCE}_leases.>"))
+        .await
+        .expect("subscribed to the lease writes");
+    let mut attacker = RawPublisher::connect(nats.port()).await;
+    let node_subject = [subjects().node(node_id)];
+    let unreadable: &[u8] = b"NATS/1.0\r\nno colon on this line\r\n\r\n";
+
+    for round in 0..ROUNDS {
+        // Skip what was written during the last reconnect, then fire at the
+        // first lease write of the next round.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        while renewals.next().now_or_never().flatten().is_some() {}
+        tokio::time::timeout(Duration::from_secs(5), renewals.next())
+            .await
+            .expect("the node renews within 5 s")
+            .expect("lease writes");
+        attacker.send(&node_subject, &[unreadable]).await;
+        eprintln!("round {round}: cut the node's connection in a renewal round");
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let reconnects = node
+        .metric("ankusa_nats_connects_total")
+        .await
+        .unwrap_or(0.0)
+        - 1.0;
+    let lost = node.metric("ankusa_leases_lost_total").await.unwrap_or(0.0);
+    let adopted = node
+        .metric("ankusa_leases_adopted_total")
+        .await
+        .unwrap_or(0.0);
+    let failed = node
+        .metric("ankusa_lease_renew_failures_total")
+        .await
+        .unwrap_or(0.0);
+    eprintln!("{reconnects} reconnects: {failed} renewals failed, {adopted} leases taken over, {lost} lost");
+    assert_eq!(
+        reconnects, ROUNDS as f64,
+        "each round cut the connection once"
+    );
+    assert_eq!(lost, 0.0, "leases lost; node log:\n{}", node.log_tail(40));
+    assert_eq!(
+        node.metric("ankusa_shards_owned").await,
+        Some(f64::from(SHARDS))
+    );
+    every_shard_answers(&store, &node, "renewed", Duration::ZERO).await;
 }
 
 /// What a node watches so that it never lingers with a dead NATS connection

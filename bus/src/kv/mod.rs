@@ -379,34 +379,22 @@ impl FleetKv {
         // Something is there: a holder, or the marker a release or expiry left.
         let entry = self.leases.entry(&key).await.map_err(request_err)?;
         match entry {
-            Some(entry) if entry.operation == kv::Operation::Put => {
-                let lease = decode::<LeaseValue>(&key, &entry.value);
-                match lease {
-                    // Our own write, whose ack we never read: a renewal or a take
-                    // that waited in a paused or cut-off server and landed after
-                    // we had let the shard go. Nobody else can have held the
-                    // lease since (a write of theirs would have moved the
-                    // revision), so it is taken over at that revision instead of
-                    // waited out for a whole TTL. The incarnation, not the node
-                    // id, says it is ours: another process under the same id (a
-                    // restart, a paused zombie) waits it out.
-                    Ok(lease) if lease.node == node && lease.incarnation == self.incarnation => {
-                        let adopted = self
-                            .take_over(shard, value, ttl_secs, entry.revision)
-                            .await?;
-                        metrics::counter!("ankusa_leases_adopted_total").increment(1);
-                        Ok(adopted)
-                    }
-                    Ok(lease) => Err(LeaseError::Taken {
-                        shard,
-                        holder: lease.node,
-                    }),
-                    Err(_) => Err(LeaseError::Taken {
-                        shard,
-                        holder: "an unreadable holder".into(),
-                    }),
-                }
+            // Our own write, whose ack we never read: a renewal or a take
+            // that waited in a paused or cut-off server and landed after we
+            // had let the shard go. It is taken over at that revision instead
+            // of waited out for a whole TTL.
+            Some(entry) if self.written_here(node, &key, &entry) => {
+                let adopted = self
+                    .take_over(shard, value, ttl_secs, entry.revision)
+                    .await?;
+                metrics::counter!("ankusa_leases_adopted_total").increment(1);
+                Ok(adopted)
             }
+            Some(entry) if entry.operation == kv::Operation::Put => Err(LeaseError::Taken {
+                shard,
+                holder: decode::<LeaseValue>(&key, &entry.value)
+                    .map_or_else(|_| "an unreadable holder".into(), |lease| lease.node),
+            }),
             Some(marker) => {
                 self.take_over(shard, value, ttl_secs, marker.revision)
                     .await
@@ -454,7 +442,43 @@ impl FleetKv {
             ttl.as_secs().max(1),
         )
         .expect_revision(revision);
-        self.publish(write).await.map_err(|err| lost_or(shard, err))
+        match self.publish(write).await {
+            Ok(revision) => Ok(revision),
+            // The revision moved: another node's take, or our own earlier
+            // renewal whose ack we never read (lost in a reconnect), which
+            // is adopted as `acquire_lease` adopts it.
+            Err(err) if err.is_wrong_revision() => {
+                let key = lease_key(shard);
+                let entry = self.leases.entry(&key).await.map_err(request_err)?;
+                match entry {
+                    Some(entry) if self.written_here(node, &key, &entry) => {
+                        let value = self.lease_value(node);
+                        let adopted = self
+                            .take_over(shard, value, ttl.as_secs().max(1), entry.revision)
+                            .await
+                            .map_err(|err| match err {
+                                LeaseError::Taken { shard, .. } => LeaseError::Lost { shard },
+                                err => err,
+                            })?;
+                        metrics::counter!("ankusa_leases_adopted_total").increment(1);
+                        Ok(adopted)
+                    }
+                    _ => Err(LeaseError::Lost { shard }),
+                }
+            }
+            Err(err) => Err(request_err(err).into()),
+        }
+    }
+
+    /// Whether `entry` is a lease `node` wrote through this very `FleetKv`.
+    /// Nobody else can have held the lease since such a write (a write of
+    /// theirs would have moved the revision). The incarnation, not the node
+    /// id, says it is ours: another process under the same id (a restart, a
+    /// paused zombie) waits it out.
+    fn written_here(&self, node: &str, key: &str, entry: &kv::Entry) -> bool {
+        entry.operation == kv::Operation::Put
+            && decode::<LeaseValue>(key, &entry.value)
+                .is_ok_and(|lease| lease.node == node && lease.incarnation == self.incarnation)
     }
 
     /// Gives a lease up, if it is still ours.
