@@ -1,11 +1,11 @@
 //! Fleet mode: which shards this node serves, agreed with the other nodes of the
 //! instance through JetStream KV, and kept durable there.
 //!
-//! Every `lease_renew_ms` a node heartbeats, reads the live nodes (kept by
-//! [`Membership`] from a watch of the heartbeats), and computes
-//! each shard's target owner by rendezvous (highest random weight) hashing, so a
-//! node joining takes about S/N shards and one leaving spreads its shards over
-//! the rest; nothing else moves. It renews the leases it holds, hands back the
+//! Every `lease_renew_ms` a node renews the leases it holds, heartbeats, reads
+//! the live nodes (kept by [`Membership`] from a watch of the heartbeats), and
+//! computes each shard's target owner by rendezvous (highest random weight)
+//! hashing, so a node joining takes about S/N shards and one leaving spreads its
+//! shards over the rest; nothing else moves. It hands back the
 //! shards now targeted elsewhere (stop answering, finish in-flight answers, flush,
 //! release), and takes the shards targeted to it once free: lease first, then the
 //! shard's claims and buckets from KV, and only then answers.
@@ -143,7 +143,8 @@ impl Fleet {
             http: self.config.http_addr.map(|a| a.to_string()),
             claim_log_format: claimlog::NODE_LOG_FORMAT,
         };
-        let bound = self.config.lease_ttl();
+        // No longer than a renewal waits, so that the next round renews in time.
+        let bound = renewal_wait(&self.config);
         let sent_us = self.time.now_us();
         let beat = within(bound, self.kv.heartbeat(&beat, self.config.lease_ttl())).await;
         match &beat {
@@ -467,8 +468,10 @@ impl Fleet {
 
     /// One full round: heartbeat, renew, hand back, take.
     async fn round(&mut self) -> bool {
-        self.heartbeat().await;
+        // Renewals first, at the round's start: a heartbeat whose ack was
+        // lost would otherwise hold them back until the leases lapse.
         self.renew().await;
+        self.heartbeat().await;
         let targets: BTreeSet<u32> = self.targets().into_iter().collect();
         let moving: Vec<u32> = self
             .held

@@ -25,7 +25,7 @@ use ankusa_bus::{shard_of, FleetConfig, FleetStore, NatsOptions, Store, StoreErr
 use ankusa_tests::requests::{claim, hit, settle};
 use ankusa_tests::{connected_edge, NatsServer, NodeProcess, NodeSpec};
 use bytes::Bytes;
-use futures::{FutureExt, StreamExt};
+use futures::StreamExt;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -1043,39 +1043,47 @@ async fn headers_the_nats_library_chokes_on_do_not_cut_a_node_off() {
 }
 
 /// A header block the NATS library cannot read ends the node's connection;
-/// sent just as the node renews its leases, it takes with it the acks of the
-/// renewals in flight. The node must keep its leases all the same: a
-/// renewal gives up in time for the next round, which takes over the lease
-/// at its own unacknowledged write. Waiting a lease TTL for a lost ack let
-/// every lease of the node lapse.
+/// sent just as the node renews its leases or heartbeats, it takes with it
+/// the acks of the writes in flight. The node must keep its leases all the
+/// same: a renewal or heartbeat gives up in time for the next round, which
+/// takes over the lease at its own unacknowledged write. Waiting a lease TTL
+/// for a lost ack let every lease of the node lapse.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_reconnect_in_the_middle_of_a_renewal_round_loses_no_lease() {
-    const ROUNDS: usize = 8;
+async fn a_reconnect_in_the_middle_of_a_round_loses_no_lease() {
+    const ROUNDS: usize = 10;
     let _serial = SERIAL.lock().await;
     let nats = NatsServer::start().await.expect("nats-server starts");
     let node_id = "renewing";
     let node = start_node(NodeSpec::fleet(node_id, vec![nats.url()])).await;
     let store = connected_store(&nats.url()).await;
     let watcher = nats.connect().await.expect("watcher connects");
-    let mut renewals = watcher
-        .subscribe(format!("$KV.ankusa_{INSTANCE}_leases.>"))
-        .await
-        .expect("subscribed to the lease writes");
     let mut attacker = RawPublisher::connect(nats.port()).await;
     let node_subject = [subjects().node(node_id)];
     let unreadable: &[u8] = b"NATS/1.0\r\nno colon on this line\r\n\r\n";
 
     for round in 0..ROUNDS {
-        // Skip what was written during the last reconnect, then fire at the
-        // first lease write of the next round.
-        tokio::time::sleep(Duration::from_millis(600)).await;
-        while renewals.next().now_or_never().flatten().is_some() {}
-        tokio::time::timeout(Duration::from_secs(5), renewals.next())
+        // Even rounds fire at a lease renewal, odd ones at a heartbeat.
+        let (what, bucket) = if round % 2 == 0 {
+            ("renewal", "leases")
+        } else {
+            ("heartbeat", "nodes")
+        };
+        let mut writes = watcher
+            .subscribe(format!("$KV.ankusa_{INSTANCE}_{bucket}.>"))
             .await
-            .expect("the node renews within 5 s")
-            .expect("lease writes");
+            .expect("subscribed to the node's writes");
+        ankusa_bus::server_caught_up(&watcher)
+            .await
+            .expect("subscribed");
+        tokio::time::timeout(Duration::from_secs(5), writes.next())
+            .await
+            .expect("the node writes within 5 s")
+            .expect("writes");
         attacker.send(&node_subject, &[unreadable]).await;
-        eprintln!("round {round}: cut the node's connection in a renewal round");
+        eprintln!("round {round}: cut the node's connection at a {what}");
+        drop(writes);
+        // Long enough for the node to renew again before the next cut.
+        tokio::time::sleep(Duration::from_millis(900)).await;
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
     let reconnects = node
