@@ -466,7 +466,7 @@ impl Fleet {
         }
     }
 
-    /// One full round: heartbeat, renew, hand back, take.
+    /// One full round: renew, heartbeat, hand back, take.
     async fn round(&mut self) -> bool {
         // Renewals first, at the round's start: a heartbeat whose ack was
         // lost would otherwise hold them back until the leases lapse.

@@ -384,11 +384,7 @@ impl FleetKv {
             // had let the shard go. It is taken over at that revision instead
             // of waited out for a whole TTL.
             Some(entry) if self.written_here(node, &key, &entry) => {
-                let adopted = self
-                    .take_over(shard, value, ttl_secs, entry.revision)
-                    .await?;
-                metrics::counter!("ankusa_leases_adopted_total").increment(1);
-                Ok(adopted)
+                self.adopt(shard, node, ttl_secs, entry.revision).await
             }
             Some(entry) if entry.operation == kv::Operation::Put => Err(LeaseError::Taken {
                 shard,
@@ -451,18 +447,13 @@ impl FleetKv {
                 let key = lease_key(shard);
                 let entry = self.leases.entry(&key).await.map_err(request_err)?;
                 match entry {
-                    Some(entry) if self.written_here(node, &key, &entry) => {
-                        let value = self.lease_value(node);
-                        let adopted = self
-                            .take_over(shard, value, ttl.as_secs().max(1), entry.revision)
-                            .await
-                            .map_err(|err| match err {
-                                LeaseError::Taken { shard, .. } => LeaseError::Lost { shard },
-                                err => err,
-                            })?;
-                        metrics::counter!("ankusa_leases_adopted_total").increment(1);
-                        Ok(adopted)
-                    }
+                    Some(entry) if self.written_here(node, &key, &entry) => self
+                        .adopt(shard, node, ttl.as_secs().max(1), entry.revision)
+                        .await
+                        .map_err(|err| match err {
+                            LeaseError::Taken { shard, .. } => LeaseError::Lost { shard },
+                            err => err,
+                        }),
                     _ => Err(LeaseError::Lost { shard }),
                 }
             }
@@ -479,6 +470,21 @@ impl FleetKv {
         entry.operation == kv::Operation::Put
             && decode::<LeaseValue>(key, &entry.value)
                 .is_ok_and(|lease| lease.node == node && lease.incarnation == self.incarnation)
+    }
+
+    /// Takes over, at `revision`, a lease [written here](Self::written_here).
+    async fn adopt(
+        &self,
+        shard: u32,
+        node: &str,
+        ttl_secs: u64,
+        revision: u64,
+    ) -> Result<u64, LeaseError> {
+        let adopted = self
+            .take_over(shard, self.lease_value(node), ttl_secs, revision)
+            .await?;
+        metrics::counter!("ankusa_leases_adopted_total").increment(1);
+        Ok(adopted)
     }
 
     /// Gives a lease up, if it is still ours.
