@@ -933,11 +933,12 @@ async fn publish_headers(port: u16, subjects: &[String], blocks: &[&[u8]]) {
         .await;
 }
 
-/// Hits every shard of `store` for `over`, each answered from the fleet.
+/// Hits every shard of `store`, each answered from the fleet, once and then
+/// again until `over` has passed.
 async fn every_shard_answers(store: &FleetStore, node: &NodeProcess, label: &str, over: Duration) {
     let until = Instant::now() + over;
     let mut round = 0;
-    while Instant::now() < until {
+    loop {
         for shard in 0..SHARDS {
             let tenant = tenants_of_shard(&format!("{label}-{round}-"), shard, 1).remove(0);
             assert_eq!(
@@ -950,6 +951,9 @@ async fn every_shard_answers(store: &FleetStore, node: &NodeProcess, label: &str
             );
         }
         round += 1;
+        if Instant::now() >= until {
+            break;
+        }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
