@@ -46,21 +46,20 @@ impl Health {
         self.shutting_down.store(true, Ordering::Relaxed);
     }
 
+    /// The NATS client, once the node has one (a cheap clone).
+    fn client(&self) -> Option<async_nats::Client> {
+        self.nats.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     fn connected(&self) -> bool {
-        self.nats
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
+        self.client()
             .is_some_and(|c| c.connection_state() == async_nats::connection::State::Connected)
     }
 
     /// Connections made so far, the first included: more than one means the
     /// node lost NATS and reconnected.
     fn connects(&self) -> u64 {
-        self.nats
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
+        self.client()
             .map_or(0, |c| c.statistics().connects.load(Ordering::Relaxed))
     }
 
