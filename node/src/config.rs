@@ -380,7 +380,8 @@ impl NodeConfig {
                 ),
             ));
         }
-        if self.lease_margin_ms + self.lease_renew_ms >= self.lease_ttl_ms {
+        // Saturating: a huge value must fail here, not wrap into a small one.
+        if self.lease_margin_ms.saturating_add(self.lease_renew_ms) >= self.lease_ttl_ms {
             return Err(invalid(
                 "lease_renew_ms",
                 format!(
@@ -511,6 +512,12 @@ mod tests {
             ..Default::default()
         })
         .contains("worker_threads"));
+        // A margin so large that the sum would wrap to a small one.
+        let margin = bad(Overrides {
+            lease_margin_ms: Some(u64::MAX),
+            ..Default::default()
+        });
+        assert!(margin.contains("must be below the lease TTL"), "{margin}");
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("node.toml");
         std::fs::write(&path, "shardz = 3\n").unwrap();

@@ -81,7 +81,7 @@ fn lease_valid_until(config: &NodeConfig, sent: Instant) -> std::time::Instant {
 /// ack.
 fn renewal_wait(config: &NodeConfig) -> Duration {
     let slack = config.lease_ttl().saturating_sub(Duration::from_millis(
-        config.lease_margin_ms + config.lease_renew_ms,
+        config.lease_margin_ms.saturating_add(config.lease_renew_ms),
     ));
     slack / 2
 }
@@ -277,6 +277,7 @@ impl Fleet {
             );
         }
         self.host.drop_lapsed(&lost).await;
+        self.writer.stop_writing(&lost);
     }
 
     /// Hands a shard back: stop taking requests, finish those in flight, flush its
@@ -288,6 +289,7 @@ impl Fleet {
         let started = Instant::now();
         let _ = self.host.release(shard).await;
         self.writer.flush_buckets(Some(shard)).await;
+        self.writer.stop_writing(&[shard]);
         held.window.close();
         let release = self.kv.release_lease(shard, held.revision);
         if let Err(err) = within(self.config.lease_ttl(), release).await {
@@ -387,6 +389,7 @@ impl Fleet {
                 let window = ServeWindow::closed();
                 window.extend_to(lease_valid_until(&self.config, sent));
                 self.held.insert(shard, Held { revision, window });
+                self.writer.start_writing(shard);
                 taken.push(shard);
             }
         }
@@ -457,6 +460,7 @@ impl Fleet {
     /// is not being served: not yet, or its actor failed).
     async fn drop_lease(&mut self, shard: u32) {
         if let Some(held) = self.held.remove(&shard) {
+            self.writer.stop_writing(&[shard]);
             held.window.close();
             let _ = within(
                 self.config.lease_ttl(),

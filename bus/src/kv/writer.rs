@@ -8,7 +8,7 @@
 //! message is written and its ack read is `write`'s; this file decides what
 //! goes into each message, and when.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -88,12 +88,23 @@ type DirtyTenant = (u32, String);
 /// The latest TAT per bucket kind, where it moved.
 type DirtyTats = [Option<u64>; 2];
 
+/// Bucket changes waiting for the write-behind flush.
+#[derive(Default)]
+struct DirtyBuckets {
+    /// Buckets changed since the last flush, latest TATs per tenant.
+    tats: HashMap<DirtyTenant, DirtyTats>,
+    /// Shards this node stopped serving. Their TATs are not written any more:
+    /// another node may serve them now, and the last record of a bucket wins
+    /// when a shard is loaded, so a late write of this node's TAT would undo
+    /// the new owner's (a reset, or the TATs it charged since).
+    stopped: HashSet<u32>,
+}
+
 /// Group-committing writer of one node's claims and buckets.
 pub struct KvWriter {
     kv: FleetKv,
     tx: mpsc::Sender<Submitted>,
-    /// Buckets changed since the last flush, latest TATs per tenant.
-    dirty: Mutex<HashMap<DirtyTenant, DirtyTats>>,
+    dirty: Mutex<DirtyBuckets>,
     /// Whether changes go to the node log rather than the group logs.
     node_log: Arc<AtomicBool>,
 }
@@ -106,7 +117,7 @@ impl KvWriter {
         let writer = Arc::new(Self {
             kv: kv.clone(),
             tx,
-            dirty: Mutex::new(HashMap::new()),
+            dirty: Mutex::default(),
             node_log: node_log.clone(),
         });
         let logs = ClaimLogs::new(kv.state_bucket.clone(), kv.clock.clone());
@@ -152,9 +163,9 @@ impl KvWriter {
         ack.await.map_err(|_| PersistError::Stopped)?
     }
 
-    /// The claims of every `(shard, tenant, changes)` are durable when this
-    /// returns (all of them, or an error); buckets are queued for the next
-    /// flush.
+    /// The claims and resets of every `(shard, tenant, changes)` are durable
+    /// when this returns (all of them, or an error); other bucket changes are
+    /// queued for the next flush.
     pub async fn record<'a>(
         &self,
         items: impl IntoIterator<Item = (u32, &'a str, &'a Changes)>,
@@ -164,10 +175,24 @@ impl KvWriter {
             let mut dirty = lock(&self.dirty);
             for (shard, tenant, changes) in items {
                 if !changes.buckets.is_empty() {
-                    let slot = dirty.entry((shard, tenant.to_string())).or_default();
+                    let slot = dirty.tats.entry((shard, tenant.to_string())).or_default();
                     for bucket in &changes.buckets {
                         slot[claimlog::kind_index(bucket.kind)] = Some(bucket.tat_us);
                     }
+                }
+                // A reset is answered as recorded (docs/protocol.md §7.3), and
+                // it is rare: it is written now, not behind. It stays in the
+                // dirty slot too, so that it is written again after any older
+                // TATs a flush already in flight may still store.
+                let resets: Vec<BucketRecord> = changes
+                    .buckets
+                    .iter()
+                    .filter(|bucket| bucket.tat_us == 0)
+                    .copied()
+                    .collect();
+                if !resets.is_empty() {
+                    let change = EncodedChange::buckets(shard, tenant, &resets, self.kv.now_us());
+                    claims.push((shard, change));
                 }
                 if let Some(change) = &changes.claim {
                     // Encoded here, on the caller's task, so the commit loop
@@ -179,19 +204,39 @@ impl KvWriter {
         self.submit(claims).await
     }
 
+    /// Stops writing the buckets of `shards`, which this node no longer
+    /// serves, dropping what it had not written yet: call it once a shard's
+    /// last flush is done (or not to be had, its lease lapsed).
+    pub fn stop_writing(&self, shards: &[u32]) {
+        let mut dirty = lock(&self.dirty);
+        dirty.stopped.extend(shards);
+        dirty.tats.retain(|(shard, _), _| !shards.contains(shard));
+    }
+
+    /// Writes the buckets of `shard` again, which this node is taking (back).
+    pub fn start_writing(&self, shard: u32) {
+        lock(&self.dirty).stopped.remove(&shard);
+    }
+
     /// Writes the dirty buckets (of one shard, or all) now and waits for the acks.
     pub async fn flush_buckets(&self, shard: Option<u32>) {
         let batch: Vec<(DirtyTenant, DirtyTats)> = {
             let mut dirty = lock(&self.dirty);
-            match shard {
-                None => dirty.drain().collect(),
+            let DirtyBuckets { tats, stopped } = &mut *dirty;
+            let taken: Vec<(DirtyTenant, DirtyTats)> = match shard {
+                None => tats.drain().collect(),
                 Some(s) => {
-                    let keys: Vec<_> = dirty.keys().filter(|(sh, _)| *sh == s).cloned().collect();
+                    let keys: Vec<_> = tats.keys().filter(|(sh, _)| *sh == s).cloned().collect();
                     keys.into_iter()
-                        .filter_map(|k| dirty.remove_entry(&k))
+                        .filter_map(|k| tats.remove_entry(&k))
                         .collect()
                 }
-            }
+            };
+            // A request answered while its shard was being let go.
+            taken
+                .into_iter()
+                .filter(|((sh, _), _)| !stopped.contains(sh))
+                .collect()
         };
         if batch.is_empty() {
             return;
@@ -224,12 +269,12 @@ impl KvWriter {
         let mut failed = 0;
         let mut dirty = lock(&self.dirty);
         for ((tenant, tats), result) in batch.into_iter().zip(results) {
-            if result.is_ok() {
+            if result.is_ok() || dirty.stopped.contains(&tenant.0) {
                 continue;
             }
             failed += 1;
             // Back in for the next flush, unless the tenant moved on since.
-            let slot = dirty.entry(tenant).or_default();
+            let slot = dirty.tats.entry(tenant).or_default();
             for (newer, older) in slot.iter_mut().zip(tats) {
                 if newer.is_none() {
                     *newer = older;
