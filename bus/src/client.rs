@@ -38,7 +38,7 @@ use crate::connect::{ConnectError, NatsOptions};
 use crate::lock;
 use crate::protocol::{ErrorCode, Op, Reply, ReplyBody, Request, MAX_BATCH, MAX_REQUEST_BYTES};
 use crate::replies::Inbox;
-use crate::shard::{shard_of, InstanceError, Subjects, MAX_SHARDS};
+use crate::shard::{is_node_id, shard_of, InstanceError, Subjects, MAX_SHARDS};
 use crate::store::{Store, StoreError};
 
 /// How an edge reaches its fleet.
@@ -421,14 +421,19 @@ impl Inner {
         Reply::decode(&message.payload).map_err(|e| StoreError::BadReply(e.to_string()))
     }
 
-    /// Remembers which node answered for `shard`.
+    /// Remembers which node answered for `shard`. A name that cannot be a
+    /// node's is not learned: it would make a subject other than a node's.
     fn learn(&self, shard: usize, node: Option<&str>) {
-        let Some(node) = node.filter(|_| self.node_batches()) else {
+        let Some(node) = node.filter(|node| self.node_batches() && is_node_id(node)) else {
             return;
         };
         let mut owner = lock(&self.owners[shard]);
         if owner.as_deref() != Some(node) {
-            *owner = Some(node.into());
+            let previous = owner.replace(node.into());
+            drop(owner);
+            if let Some(previous) = previous {
+                self.drop_lane_if_unowned(&previous);
+            }
         }
     }
 
@@ -443,6 +448,20 @@ impl Inner {
             if owner.as_deref() == Some(node) {
                 *owner = None;
             }
+        }
+        self.drop_lane_if_unowned(node);
+    }
+
+    /// Drops the lane of `node` once it serves no shard this edge knows of,
+    /// so that the lanes of nodes gone in rollouts do not pile up. Calls on
+    /// the lane keep it until they end.
+    fn drop_lane_if_unowned(&self, node: &str) {
+        let owns_any = self
+            .owners
+            .iter()
+            .any(|owner| lock(owner).as_deref() == Some(node));
+        if !owns_any {
+            lock(&self.node_lanes).remove(node);
         }
     }
 
@@ -835,5 +854,54 @@ mod tests {
             expired.try_recv(),
             Ok(Err(StoreError::Timeout(_)))
         ));
+    }
+
+    /// An edge whose connection never comes up: enough to learn and route.
+    async fn offline_edge(shards: u32) -> FleetStore {
+        let nats = NatsOptions::with_servers(["nats://127.0.0.1:1"]);
+        let mut config = FleetConfig::new(nats.clone(), "lanes");
+        config.shards = shards;
+        let client = nats
+            .connect()
+            .await
+            .expect("a client, connecting in the background");
+        let subjects = Subjects::new("lanes").expect("instance");
+        FleetStore::with_client(client, &subjects, &config)
+    }
+
+    fn lanes(inner: &Inner) -> Vec<String> {
+        let mut names: Vec<String> = lock(&inner.node_lanes)
+            .keys()
+            .map(|n| n.to_string())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[tokio::test]
+    async fn a_node_lane_goes_once_the_node_serves_no_shard_and_bad_names_are_not_learned() {
+        let store = offline_edge(3).await;
+        let inner = &store.inner;
+        for shard in [0, 1] {
+            inner.learn(shard, Some("node-a"));
+            inner.route(shard);
+        }
+        assert_eq!(lanes(inner), ["node-a"]);
+        inner.learn(0, Some("node-b"));
+        inner.route(0);
+        assert_eq!(lanes(inner), ["node-a", "node-b"], "node-a still serves 1");
+        inner.learn(1, Some("node-b"));
+        assert_eq!(lanes(inner), ["node-b"], "node-a left in a rollout");
+        inner.forget("node-b", None);
+        assert_eq!(
+            lanes(inner),
+            Vec::<String>::new(),
+            "node-b stopped answering"
+        );
+
+        for name in ["a.b", "node.>", "*", "", "é", &"n".repeat(129)] {
+            inner.learn(2, Some(name));
+            assert_eq!(*lock(&inner.owners[2]), None, "learned {name:?}");
+        }
     }
 }

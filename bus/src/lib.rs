@@ -93,7 +93,7 @@ pub use connect::{connection_ended, server_caught_up, ConnectError, NatsOptions}
 pub use edge::{Answer, Edge, EdgeConfig, EdgeStats, LocalReason, Source};
 pub use local::{LocalConfig, LocalStore};
 pub use protocol::{DecodeError, ErrorCode, ErrorReply, Op, Reply, ReplyBody, Request};
-pub use shard::{shard_of, Subjects};
+pub use shard::{is_node_id, shard_of, Subjects};
 pub use store::{Store, StoreError};
 
 /// Locks `mutex`, even one a panicking holder left poisoned: for values that

@@ -57,6 +57,15 @@ pub enum InstanceError {
     BadChars(String),
 }
 
+/// Whether `node_id` can name a node: 1 to 128 of A-Z, a-z, 0-9, `-` and
+/// `_`, so that it is one token of its node subject ([`Subjects::node`]).
+pub fn is_node_id(node_id: &str) -> bool {
+    (1..=128).contains(&node_id.len())
+        && node_id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
 /// The subject space of one instance: `ankusa.<instance>`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Subjects {
@@ -110,6 +119,16 @@ impl Subjects {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn node_ids_are_one_subject_token() {
+        for good in ["a", "node-1", "Pod_7", &"n".repeat(128)] {
+            assert!(is_node_id(good), "{good:?}");
+        }
+        for bad in ["", "a.b", "a b", "node.>", "*", "é", &"n".repeat(129)] {
+            assert!(!is_node_id(bad), "{bad:?}");
+        }
+    }
 
     #[test]
     fn shard_lists_fold_runs() {

@@ -346,17 +346,13 @@ impl NodeConfig {
     /// Checks every setting against the others.
     pub fn validate(&self) -> Result<(), ConfigError> {
         Subjects::new(&self.instance).map_err(|e| invalid("instance", e.to_string()))?;
-        if self.node_id.is_empty() || self.node_id.len() > 128 {
-            return Err(invalid("node_id", "must be 1 to 128 bytes"));
-        }
-        if !self
-            .node_id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-        {
+        if !ankusa_bus::is_node_id(&self.node_id) {
             return Err(invalid(
                 "node_id",
-                format!("`{}` may only hold A-Z, a-z, 0-9, `-`, `_`", self.node_id),
+                format!(
+                    "`{}` must be 1 to 128 of A-Z, a-z, 0-9, `-`, `_`",
+                    self.node_id
+                ),
             ));
         }
         if self.shards == 0 || self.shards > MAX_SHARDS {
