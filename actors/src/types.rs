@@ -294,8 +294,15 @@ impl HitRequest {
             .unwrap_or("")
     }
 
+    /// No charge and no claim. The contract answers such a hit `:ok`; on the
+    /// wire it is `nothing_to_do`, since it names no tenant to route it by,
+    /// so the edge clients answer it themselves without sending it.
+    pub fn is_empty(&self) -> bool {
+        self.charges.is_empty() && self.claim.is_none()
+    }
+
     pub fn validate(&self) -> Result<(), InvalidRequest> {
-        if self.charges.is_empty() && self.claim.is_none() {
+        if self.is_empty() {
             return Err(InvalidRequest::NothingToDo);
         }
         if self.charges.len() > limits::MAX_CHARGES {

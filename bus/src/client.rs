@@ -688,6 +688,9 @@ impl Drop for LaneHandoff {
 
 impl Store for FleetStore {
     async fn hit(&self, req: HitRequest, timeout: Duration) -> Result<HitOutcome, StoreError> {
+        if req.is_empty() {
+            return Ok(HitOutcome::Ok);
+        }
         req.validate()?;
         let shard = self.shard_of(req.tenant());
         match self.call(shard, Op::Hit(req), timeout).await? {
@@ -903,5 +906,25 @@ mod tests {
             inner.learn(2, Some(name));
             assert_eq!(*lock(&inner.owners[2]), None, "learned {name:?}");
         }
+    }
+
+    /// The contract answers a hit with no charge and no claim `:ok`; it names
+    /// no tenant whose shard could take it, so it is answered here, even with
+    /// the fleet out of reach.
+    #[tokio::test]
+    async fn a_hit_with_nothing_to_do_is_ok_without_a_round_trip() {
+        let store = offline_edge(4).await;
+        let empty = || HitRequest {
+            charges: vec![],
+            claim: None,
+        };
+        let quick = Duration::from_millis(5);
+        assert_eq!(store.hit(empty(), quick).await, Ok(HitOutcome::Ok));
+        let edge = crate::Edge::new(store, crate::EdgeConfig::default());
+        let answer = edge.hit(empty(), quick).await.expect("answered");
+        assert_eq!(
+            (answer.outcome, answer.source),
+            (HitOutcome::Ok, crate::Source::Fleet)
+        );
     }
 }

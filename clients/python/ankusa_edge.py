@@ -1143,7 +1143,11 @@ class EdgeClient:
     async def hit(
         self, charges: Sequence[Charge], claim: Claim | None = None, *, timeout_ms: int
     ) -> HitOutcome:
-        """Charges ``charges`` and claims ``claim``'s key, all or nothing (§7.1)."""
+        """Charges ``charges`` and claims ``claim``'s key, all or nothing (§7.1).
+        With neither, the contract's answer is ``HitOk`` at once: such a hit
+        names no tenant whose shard could take it (§9.1)."""
+        if not charges and claim is None:
+            return HitOk()
         return await self._call(Hit(tuple(charges), claim), "hit", timeout_ms)
 
     async def settle(self, claim: Claim, settlement: str, *, timeout_ms: int) -> SettleOutcome:
@@ -1714,6 +1718,9 @@ class DegradingEdge:
     async def hit(
         self, charges: Sequence[Charge], claim: Claim | None = None, *, timeout_ms: int
     ) -> Answer:
+        if not charges and claim is None:
+            # The fleet's answer, which needs no round trip (§9.1).
+            return Answer(HitOk(), "fleet")
         op = Hit(tuple(charges), claim)
         validate(op)
         if claim and self.local.holds_claim(claim.tenant, claim.source_id, claim.key):
@@ -2136,6 +2143,8 @@ async def _scenario(nc: Any, args: argparse.Namespace) -> None:
     await run("inspect-tight", edge.inspect(tight_tenant, timeout_ms=budget))
     await run("reset", edge.reset(tight_tenant, timeout_ms=budget), tenant=tight_tenant)
     await run("tight-after-reset", edge.hit(tight, timeout_ms=budget), tenant=tight_tenant)
+    # Nothing to charge or claim: the contract's ok, sent nowhere (§9.1).
+    await run("hit-nothing", edge.hit([], timeout_ms=budget))
 
     # A tenant over 256 bytes: refused by this client before sending, and by
     # the node when sent anyway; both with the same reason.
@@ -2259,6 +2268,7 @@ async def _scenario(nc: Any, args: argparse.Namespace) -> None:
     await answered("degrade-out-commit", out.settle(claim(kl, h1), COMMIT, timeout_ms=100))
     await answered("degrade-out-duplicate", out.hit(roomy, claim(kl, h3), timeout_ms=100))
     await answered("degrade-out-fleet-settle", out.settle(claim(kd, h1), COMMIT, timeout_ms=100))
+    await answered("degrade-out-nothing", out.hit([], timeout_ms=100))
     emit("degrade-out-state", breaker=out.breaker.state, tenants=len(out.local))
 
     # A shard nobody serves at first, then a stand-in responder that answers

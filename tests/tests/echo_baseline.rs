@@ -63,15 +63,19 @@ async fn the_echo_answers_hits_settles_and_resets() {
     };
     assert_eq!(store.settle(settle, BUDGET).await, Ok(SettleOutcome::Ok));
     assert_eq!(store.reset("t".into(), BUDGET).await, Ok(()));
-    // Invalid requests are refused before anything is sent, as the fleet client does.
+    // Invalid requests are refused before anything is sent, as the fleet client
+    // does; a hit with nothing to do is the contract's `:ok`, sent nowhere.
+    let mut invalid = hit();
+    invalid.charges[0].capacity_us = 0;
+    assert!(matches!(
+        store.hit(invalid, BUDGET).await,
+        Err(StoreError::Invalid(_))
+    ));
     let empty = HitRequest {
         charges: vec![],
         claim: None,
     };
-    assert!(matches!(
-        store.hit(empty, BUDGET).await,
-        Err(StoreError::Invalid(_))
-    ));
+    assert_eq!(store.hit(empty, BUDGET).await, Ok(HitOutcome::Ok));
 }
 
 #[tokio::test]

@@ -745,6 +745,7 @@ async fn python_edge_against_a_live_fleet() {
         assert_eq!(tight["claim"], Value::Null, "{}", s.all);
         s.expect_outcome("reset", json!("reset"));
         s.expect_outcome("tight-after-reset", json!({"result": "ok"}));
+        s.expect_outcome("hit-nothing", json!({"result": "ok"}));
 
         // The degrading edge: the fleet while it answers; then, on an instance
         // nobody serves, this process's state, and the breaker open after two
@@ -780,7 +781,7 @@ async fn python_edge_against_a_live_fleet() {
             "local",
             json!("breaker_open"),
         );
-        answered("degrade-out-commit", ok, "local", json!("local_claim"));
+        answered("degrade-out-commit", ok.clone(), "local", json!("local_claim"));
         answered(
             "degrade-out-duplicate",
             json!({"result": "duplicate", "hook_id": h1}),
@@ -789,6 +790,9 @@ async fn python_edge_against_a_live_fleet() {
         );
         // A fleet claim is never settled locally: the outage is the answer.
         s.error("degrade-out-fleet-settle", "FleetError", "FleetError");
+        // Nothing to do is the contract's ok, the fleet's answer without a
+        // round trip, the breaker open or not.
+        answered("degrade-out-nothing", ok, "fleet", Value::Null);
         let state = s.step("degrade-out-state");
         assert_eq!(state["breaker"], "open", "{}", s.all);
         assert_eq!(state["tenants"], 1, "{}", s.all);

@@ -230,6 +230,9 @@ impl RedisLuaStore {
 
 impl Store for RedisLuaStore {
     async fn hit(&self, req: HitRequest, timeout: Duration) -> Result<HitOutcome, StoreError> {
+        if req.is_empty() {
+            return Ok(HitOutcome::Ok);
+        }
         req.validate()?;
         let tenant = req.tenant().to_string();
         let mut invocation = self.hit.prepare_invoke();
