@@ -278,14 +278,24 @@ async fn a_store_that_overruns_its_budget_is_cut_within_the_timeout() {
 async fn invalid_requests_are_refused_never_degraded() {
     let r = rig(1);
     r.edge.store().set(Behave::Fail(StoreError::NoResponders));
+    let mut zero = charge_only();
+    zero.charges[0].capacity_us = 0;
+    assert!(matches!(
+        r.edge.hit(zero, BUDGET).await,
+        Err(StoreError::Invalid(InvalidRequest::Zero { .. }))
+    ));
+    // Nothing to charge or claim is no error: the contract's `:ok`, the fleet's
+    // answer without a round trip, the fleet out or not.
     let nothing = HitRequest {
         charges: vec![],
         claim: None,
     };
+    let answer = r.edge.hit(nothing, BUDGET).await.expect("answered");
     assert_eq!(
-        r.edge.hit(nothing, BUDGET).await,
-        Err(StoreError::Invalid(InvalidRequest::NothingToDo))
+        (answer.outcome, answer.source),
+        (HitOutcome::Ok, Source::Fleet)
     );
+    assert_eq!(r.edge.store().calls().0, 0, "an empty hit was sent");
     let mut bad = settle("k", "h1", Settlement::Commit);
     bad.claim.hook_id.clear();
     assert!(matches!(
@@ -661,16 +671,9 @@ async fn stats_count_every_answer_and_serialize() {
         .set(Behave::Fail(refused(ErrorCode::Unavailable)));
     r.edge.hit(charge_only(), BUDGET).await.unwrap();
     r.edge.hit(charge_only(), BUDGET).await.unwrap();
-    let _ = r
-        .edge
-        .hit(
-            HitRequest {
-                charges: vec![],
-                claim: None,
-            },
-            BUDGET,
-        )
-        .await;
+    let mut invalid = charge_only();
+    invalid.charges[0].capacity_us = 0;
+    let _ = r.edge.hit(invalid, BUDGET).await;
     let stats = r.edge.stats();
     assert_eq!(stats.fleet_answers, 1);
     assert_eq!(stats.local_timeout, 1);

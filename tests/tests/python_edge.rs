@@ -781,7 +781,12 @@ async fn python_edge_against_a_live_fleet() {
             "local",
             json!("breaker_open"),
         );
-        answered("degrade-out-commit", ok.clone(), "local", json!("local_claim"));
+        answered(
+            "degrade-out-commit",
+            ok.clone(),
+            "local",
+            json!("local_claim"),
+        );
         answered(
             "degrade-out-duplicate",
             json!({"result": "duplicate", "hook_id": h1}),
