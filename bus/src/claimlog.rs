@@ -47,7 +47,7 @@ use ankusa_actors::{BucketRecord, ClaimChange, ClaimRecord, Kind, TenantSnapshot
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use crate::kv::KvError;
+use crate::kv::{self, KvError};
 use crate::protocol::encode_compact;
 
 /// Shards whose changes share a group log: `log = shard / SHARDS_PER_LOG`.
@@ -237,11 +237,9 @@ impl Replay {
     /// Applies every change of one log message that belongs to these shards.
     /// `key` names the message in errors.
     pub fn apply_message(&mut self, key: &str, payload: &[u8], now_us: u64) -> Result<(), KvError> {
-        let changes: Vec<LoggedChange> =
-            rmp_serde::from_slice(payload).map_err(|e| KvError::Corrupt {
-                key: key.to_string(),
-                reason: e.to_string(),
-            })?;
+        // Decoded whole before any change is applied: a message that fails
+        // to read leaves the replay as it was.
+        let changes: Vec<LoggedChange> = kv::decode(key, payload)?;
         for logged in changes {
             if !logged.buckets.is_empty() {
                 self.apply_buckets(logged.shard, &logged.tenant, &logged.buckets);
@@ -610,6 +608,44 @@ mod tests {
                 Err(KvError::Corrupt { .. })
             ));
         }
+    }
+
+    /// Nested far deeper than any record, as plain arrays and as the value of
+    /// a field the decoder does not know (which serde would recurse into to
+    /// skip it): refused by the frame check before serde sees it.
+    #[test]
+    fn a_deeply_nested_message_is_a_typed_error_not_a_stack_overflow() {
+        let arrays = vec![0x91u8; 100_000];
+        let mut unknown_field = b"\x91\x81\xa1x".to_vec();
+        unknown_field.resize(100_000, 0x91);
+        unknown_field.push(0xc0);
+        let mut replay = Replay::new([0]);
+        for payload in [arrays, unknown_field] {
+            match replay.apply_message("m.w.3", &payload, NOW) {
+                Err(KvError::Corrupt { key, reason }) => {
+                    assert_eq!(key, "m.w.3");
+                    assert!(reason.contains("nested deeper"), "{reason}");
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    /// A message that fails to read changes nothing, even after changes of
+    /// it that would have read.
+    #[test]
+    fn an_unreadable_message_applies_none_of_its_changes() {
+        let good = EncodedChange::claim(0, "t", &put("a", "h1", true, NOW + 50));
+        let mut payload =
+            frame([good.bytes.as_slice(), good.bytes.as_slice()].into_iter()).to_vec();
+        // The second change cut short.
+        payload.truncate(payload.len() - 3);
+        let mut replay = Replay::new([0]);
+        assert!(matches!(
+            replay.apply_message("m.w.4", &payload, NOW),
+            Err(KvError::Corrupt { .. })
+        ));
+        assert_eq!(replay.finish(NOW)[&0], Vec::new());
     }
 
     #[test]

@@ -12,6 +12,7 @@ use ankusa_actors::{
     HitOutcome, HitRequest, InspectRequest, InvalidRequest, SettleOutcome, SettleRequest,
     TenantView,
 };
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 /// The protocol version this build speaks.
@@ -401,9 +402,7 @@ impl Reply {
     /// items). There is no size limit: replies come from nodes, and the frame
     /// check below already bounds what a hostile one could cost.
     pub fn decode(payload: &[u8]) -> Result<Self, DecodeError> {
-        check_frame(payload)?;
-        let reply: Reply =
-            rmp_serde::from_slice(payload).map_err(|e| DecodeError::Malformed(e.to_string()))?;
+        let reply: Reply = decode_frame(payload)?;
         let items = match &reply.body {
             ReplyBody::Batch(items) => items.as_slice(),
             _ => &[],
@@ -415,6 +414,14 @@ impl Reply {
         }
         Ok(reply)
     }
+}
+
+/// Decodes one MessagePack value once [`check_frame`] has let it through: the
+/// way to read any frame another process wrote (replies, and every KV value a
+/// node reads: heartbeats, leases, claim-log messages).
+pub(crate) fn decode_frame<T: DeserializeOwned>(payload: &[u8]) -> Result<T, DecodeError> {
+    check_frame(payload)?;
+    rmp_serde::from_slice(payload).map_err(|e| DecodeError::Malformed(e.to_string()))
 }
 
 /// Walks one MessagePack value without building anything, so that serde only

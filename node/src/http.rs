@@ -130,8 +130,13 @@ pub fn describe_metrics() {
         "ankusa_kv_call_timeouts_total",
         "KV calls of the ownership loop that did not answer within their bound"
     );
+    describe_counter!(
+        "ankusa_state_unreadable_total",
+        "State bucket messages a shard load could not read and skipped (each load that reads one counts it)"
+    );
     for counter in [
         "ankusa_kv_call_timeouts_total",
+        "ankusa_state_unreadable_total",
         "ankusa_kv_write_failures_total",
         "ankusa_lease_renew_failures_total",
         "ankusa_lease_acquire_failures_total",

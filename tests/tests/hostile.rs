@@ -1266,3 +1266,94 @@ async fn any_bytes_in_tenants_and_keys_work_in_fleet_mode_across_a_restart() {
     }
     assert!(node.is_ready().await);
 }
+
+/// Anyone with write permission on the state bucket (or a bug) can store a
+/// value no node can read. A load reads every message of the bucket whatever
+/// its shard, so such a value used to fail every shard load of the fleet until
+/// its TTL ran out; the load now skips it, says so and counts it, and serves
+/// what the readable messages hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_state_message_is_skipped_and_the_shards_load_around_it() {
+    let _serial = SERIAL.lock().await;
+    let nats = NatsServer::start().await.expect("nats-server starts");
+    let mut first = start_node(NodeSpec::fleet("unreadable-a", vec![nats.url()])).await;
+    let store = connected_store(&nats.url()).await;
+    let t = Duration::from_secs(1);
+    let tenant = "survives-garbage";
+    assert_eq!(
+        store.hit(hit(tenant, "k", "h1"), t).await,
+        Ok(HitOutcome::Ok)
+    );
+    assert_eq!(
+        store
+            .settle(settle(tenant, "k", "h1", Settlement::Commit), t)
+            .await,
+        Ok(SettleOutcome::Ok)
+    );
+
+    // A value that is not MessagePack, one nested far deeper than any record
+    // (a change whose unknown field holds ~60 KiB of one-element arrays: a
+    // decoder that recursed into it would run out of stack), and a legacy
+    // per-claim key holding garbage.
+    let mut nested = b"\x91\x81\xa1x".to_vec();
+    nested.resize(60 * 1024, 0x91);
+    nested.push(0xc0);
+    let shard = shard_of(tenant, SHARDS);
+    let unreadable: [(String, Vec<u8>); 3] = [
+        ("m.intruder.1".into(), b"\xc1 garbage".to_vec()),
+        ("m.intruder.2".into(), nested),
+        (format!("c.{shard}.{:032x}", 7), b"\xc1".to_vec()),
+    ];
+    let js = async_nats::jetstream::new(nats.connect().await.expect("connect"));
+    for (key, value) in &unreadable {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(async_nats::header::NATS_MESSAGE_TTL, "3600");
+        js.publish_with_headers(
+            format!("$KV.ankusa_{INSTANCE}_state.{key}"),
+            headers,
+            value.clone().into(),
+        )
+        .await
+        .expect("publish")
+        .await
+        .expect("stored");
+    }
+
+    first.kill().await.expect("first node killed");
+    let second = NodeProcess::start(NodeSpec::fleet("unreadable-b", vec![nats.url()]))
+        .expect("second node starts");
+    // The first node's heartbeat and leases lapse (2 s) before the second takes
+    // its shards.
+    second
+        .wait_ready(Duration::from_secs(30))
+        .await
+        .expect("the second node loads every shard despite the unreadable messages");
+    assert_eq!(
+        store.hit(hit(tenant, "k", "h2"), t).await,
+        Ok(HitOutcome::Duplicate {
+            hook_id: "h1".into()
+        }),
+        "the committed claim was replayed; log:\n{}",
+        second.log_tail(30)
+    );
+    let skipped = second
+        .metric("ankusa_state_unreadable_total")
+        .await
+        .unwrap_or(0.0);
+    assert!(
+        skipped >= unreadable.len() as f64,
+        "ankusa_state_unreadable_total is {skipped}; log:\n{}",
+        second.log_tail(30)
+    );
+    let log = second.log();
+    for (key, _) in &unreadable {
+        let said = log
+            .lines()
+            .find(|line| line.contains("ERROR") && line.contains(key.as_str()));
+        match said {
+            Some(line) => eprintln!("{line}"),
+            None => panic!("no error names {key}; log:\n{}", second.log_tail(30)),
+        }
+    }
+    eprintln!("skipped {skipped} unreadable messages; the committed claim answered Duplicate");
+}

@@ -39,10 +39,11 @@ use async_nats::header;
 use async_nats::jetstream::{self, consumer, kv, stream};
 use bytes::Bytes;
 use futures::{FutureExt, StreamExt};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::claimlog::{self, Replay};
-use crate::protocol::{encode_named, MESSAGE_ROOM};
+use crate::protocol::{decode_frame, encode_named, MESSAGE_ROOM};
 use crate::replies::Inbox;
 use write::{acked, replied, stored_at, Write, WriteError};
 
@@ -176,8 +177,11 @@ fn encode<T: Serialize>(value: &T) -> Bytes {
     Bytes::from(encode_named(value, MESSAGE_ROOM))
 }
 
-fn decode<T: for<'de> Deserialize<'de>>(key: &str, payload: &[u8]) -> Result<T, KvError> {
-    rmp_serde::from_slice(payload).map_err(|e| KvError::Corrupt {
+/// Reads the value stored under `key`. Every node reads what every other
+/// wrote, so a value gets the frame check a request gets: a deeply nested one
+/// is refused before serde recurses into it, not a stack overflow.
+pub(crate) fn decode<T: DeserializeOwned>(key: &str, payload: &[u8]) -> Result<T, KvError> {
+    decode_frame(payload).map_err(|e| KvError::Corrupt {
         key: key.to_string(),
         reason: e.to_string(),
     })
@@ -609,7 +613,9 @@ impl FleetKv {
     /// Reads every key of the state bucket in stream order, and keeps these
     /// shards' changes: the claim logs (see [`claimlog`]), the bucket keys and
     /// the one-key-per-claim records that nodes before the log wrote
-    /// (`c.<shard>.*`), so such a node's claims survive an upgrade. A node
+    /// (`c.<shard>.*`), so such a node's claims survive an upgrade. A value
+    /// that cannot be read is skipped, logged and counted
+    /// (`ankusa_state_unreadable_total`), not a failed load. A node
     /// log message may hold any shard's changes. Filters do not pay: one pass
     /// over the bucket took nats-server less CPU than one filtered load per
     /// shard (docs/benchmarks-history.md, session 20), and JetStream refuses filters
@@ -643,16 +649,20 @@ impl FleetKv {
         let mut messages = load_step(consumer.messages()).await?;
         while let Some(message) = within(LOAD_IDLE, messages.next().map(Ok::<_, KvError>)).await? {
             let message = message.map_err(request_err)?;
-            let left = match message.info() {
-                Ok(info) => {
-                    // An ordered consumer may be recreated under a new name midway.
-                    if info.consumer != reader {
-                        reader = info.consumer.to_string();
-                    }
-                    info.pending
-                }
-                Err(_) => 0,
-            };
+            // Without it the load cannot tell whether this was the last
+            // message, and stopping here would serve a partial replay: claims
+            // missing, committed ones among them. The caller retries a failed load.
+            let info = message.info().map_err(|e| {
+                KvError::Request(format!(
+                    "a state bucket message came without its delivery info ({e}), so the load \
+                     cannot tell whether it has read every message"
+                ))
+            })?;
+            // An ordered consumer may be recreated under a new name midway.
+            if info.consumer != reader {
+                reader = info.consumer.to_string();
+            }
+            let left = info.pending;
             let is_value = message
                 .headers
                 .as_ref()
@@ -665,24 +675,18 @@ impl FleetKv {
                     .subject
                     .strip_prefix(prefix.as_str())
                     .unwrap_or_default();
-                let payload = &message.payload;
-                // `c.<shard>.*` and `b.<shard>.*` name their shard; the replay
-                // skips the shards it was not asked for.
-                let key_shard = || {
-                    key.split('.')
-                        .nth(1)
-                        .and_then(|s| s.parse().ok())
-                        .unwrap_or(u32::MAX)
-                };
-                if key.starts_with("m.") || key.starts_with("l.") {
-                    state.apply_message(key, payload, now_us)?;
-                } else if key.starts_with("c.") {
-                    let stored: StoredClaim = decode(key, payload)?;
-                    let change = ClaimChange::Put(stored.claim);
-                    state.apply(key_shard(), stored.tenant, change, now_us);
-                } else if key.starts_with("b.") {
-                    let stored: StoredBuckets = decode(key, payload)?;
-                    state.apply_buckets(key_shard(), &stored.tenant, &stored.buckets);
+                match replay_value(&mut state, key, &message.payload, now_us) {
+                    Ok(()) => {}
+                    // Skipped, not fatal: every load reads every message, so
+                    // one unreadable message (garbage from anyone who may
+                    // write the bucket, a bug) would stop every shard load of
+                    // the fleet until its TTL ran out. Skipping keeps "never
+                    // Duplicate for a hook that was not committed": a message
+                    // not read can only take away what it held (commits, whose
+                    // hooks may then be delivered twice; releases; bucket
+                    // TATs and resets), and nothing it held can commit a claim.
+                    Err(KvError::Corrupt { key, reason }) => skip_unreadable(&key, &reason),
+                    Err(err) => return Err(err),
                 }
             }
             if left == 0 {
@@ -692,6 +696,43 @@ impl FleetKv {
         let _ = stream.delete_consumer(&reader).await;
         Ok(state.finish(now_us))
     }
+}
+
+/// Applies one value of the state bucket, stored under `key`, to `state`.
+fn replay_value(state: &mut Replay, key: &str, payload: &[u8], now_us: u64) -> Result<(), KvError> {
+    // `c.<shard>.*` and `b.<shard>.*` name their shard; the replay skips the
+    // shards it was not asked for.
+    let key_shard = || {
+        key.split('.')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(u32::MAX)
+    };
+    if key.starts_with("m.") || key.starts_with("l.") {
+        state.apply_message(key, payload, now_us)?;
+    } else if key.starts_with("c.") {
+        let stored: StoredClaim = decode(key, payload)?;
+        let change = ClaimChange::Put(stored.claim);
+        state.apply(key_shard(), stored.tenant, change, now_us);
+    } else if key.starts_with("b.") {
+        let stored: StoredBuckets = decode(key, payload)?;
+        state.apply_buckets(key_shard(), &stored.tenant, &stored.buckets);
+    }
+    Ok(())
+}
+
+/// Says that a load skipped the unreadable message under `key`, and counts it
+/// in `ankusa_state_unreadable_total`.
+fn skip_unreadable(key: &str, reason: &str) {
+    metrics::counter!("ankusa_state_unreadable_total").increment(1);
+    tracing::error!(
+        key,
+        reason,
+        "unreadable message in the state bucket, skipped: the claims and bucket TATs it \
+         held are not restored, so a resent hook it had committed may be delivered again \
+         (no hook is ever answered duplicate without a commit) and its tenants may get up \
+         to a burst more; each load skips it until its TTL runs out"
+    );
 }
 
 /// How long the marker an expired lease or heartbeat leaves is kept.
@@ -870,6 +911,41 @@ mod tests {
                 since_ms: 9,
             })
         );
+    }
+
+    /// Heartbeats and leases are written by other nodes and read by every
+    /// one: a value nested too deep is refused before serde recurses into it.
+    #[test]
+    fn a_deeply_nested_value_is_corrupt_not_a_stack_overflow() {
+        let mut nested = b"\x81\xa4node".to_vec();
+        nested.resize(100_000, 0x91);
+        nested.push(0xc0);
+        match decode::<Heartbeat>("n1", &nested) {
+            Err(KvError::Corrupt { key, reason }) => {
+                assert_eq!(key, "n1");
+                assert!(reason.contains("nested deeper"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// One unreadable value of the state bucket is the load's to skip: every
+    /// kind of key reports it as `Corrupt`, and applies nothing.
+    #[test]
+    fn an_unreadable_state_value_is_corrupt_whatever_its_key() {
+        let mut state = Replay::new([3]);
+        for key in ["m.w.1", "l.0.w.1", "c.3.00ff", "b.3.00ff"] {
+            assert!(
+                matches!(
+                    replay_value(&mut state, key, b"\xc1 garbage", 1),
+                    Err(KvError::Corrupt { .. })
+                ),
+                "{key}"
+            );
+        }
+        // Keys of no known shape are not the load's.
+        assert_eq!(replay_value(&mut state, "x.3", b"\xc1", 1), Ok(()));
+        assert_eq!(state.finish(1)[&3], Vec::new());
     }
 
     fn beat(node: &str, claim_log_format: u32) -> Heartbeat {
