@@ -222,6 +222,23 @@ pub async fn server_caught_up(client: &async_nats::Client) -> Result<(), Connect
     }
 }
 
+/// How long one JetStream API request (a stream's info, a consumer made or
+/// deleted, a bucket opened) may wait for its answer in a [`jetstream`]
+/// context: async-nats 0.51's default.
+pub const JETSTREAM_API_BOUND: Duration = Duration::from_secs(5);
+
+/// A JetStream context on `client` whose API requests fail after
+/// [`JETSTREAM_API_BOUND`]. The connection's own request timeout is off
+/// (every call of ours is bounded by its own deadline), and since async-nats
+/// 0.52 a context without a timeout of its own takes the connection's: its
+/// requests (a consumer deleted after a load, the nodes' watch, `ankusa
+/// status`) could wait forever on a server that stopped answering.
+pub fn jetstream(client: async_nats::Client) -> async_nats::jetstream::Context {
+    async_nats::jetstream::ContextBuilder::new()
+        .timeout(JETSTREAM_API_BOUND)
+        .build(client)
+}
+
 /// How often [`connection_ended`] asks whether the connection's task is
 /// still there.
 const CONNECTION_CHECK_EVERY: Duration = Duration::from_secs(1);

@@ -89,7 +89,7 @@ pub mod store;
 
 pub use breaker::{BreakerConfig, CircuitBreaker};
 pub use client::{FleetConfig, FleetStore};
-pub use connect::{connection_ended, server_caught_up, ConnectError, NatsOptions};
+pub use connect::{connection_ended, jetstream, server_caught_up, ConnectError, NatsOptions};
 pub use edge::{Answer, Edge, EdgeConfig, EdgeStats, LocalReason, Source};
 pub use local::{LocalConfig, LocalStore};
 pub use protocol::{DecodeError, ErrorCode, ErrorReply, Op, Reply, ReplyBody, Request};

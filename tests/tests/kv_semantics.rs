@@ -50,6 +50,11 @@
 //!   memory for good, does not reach these patterns on 2.15.1 (probed through
 //!   the wheel the server saves, `thw.db`, as it stops).
 //!
+//! - Since async-nats 0.52 a JetStream context without a timeout of its own
+//!   takes the connection's request timeout, which ours turns off: an API
+//!   request to a server that stopped answering waits for good. The contexts
+//!   of the nodes and tools come from `ankusa_bus::jetstream`, bounded at 5 s.
+//!
 //! Watching and loading
 //! - `kv.watch_all()` delivers only NEW changes (puts, deletes, purges, expiry
 //!   markers), not existing keys. `kv.watch_with_history(">")` first delivers the last
@@ -699,4 +704,52 @@ async fn ttl_keys_purged_or_replaced_leave_nothing_in_the_servers_ttl_wheel() {
         "the server kept entries of removed TTL'd messages: {gone_bytes} B of wheel for an \
          empty bucket, against {live_bytes} B for {KEYS} live keys (nats-server issue 8594)"
     );
+}
+
+/// Since async-nats 0.52 a JetStream context without a timeout of its own
+/// takes the connection's request timeout, and ours is off (every call of
+/// ours has its own deadline): a JetStream API request to a server that
+/// stopped answering waits for good. `ankusa_bus::jetstream` makes the
+/// contexts the nodes and tools use, bounded by `JETSTREAM_API_BOUND`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bounded_context_ends_its_api_requests_when_the_server_stops_answering() {
+    let mut server = NatsServer::start().await.expect("start nats-server");
+    let client = ankusa_bus::NatsOptions::with_servers([server.url()])
+        .connect()
+        .await
+        .expect("client");
+    let bounded = ankusa_bus::jetstream(client.clone());
+    let unbounded = jetstream::new(client.clone());
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        ankusa_bus::server_caught_up(&client),
+    )
+    .await
+    .expect("connected within 5 s")
+    .expect("connected");
+
+    server.pause().expect("SIGSTOP nats-server");
+    let asked = Instant::now();
+    let bounded_call = tokio::spawn(async move { bounded.get_stream("KV_x").await.err() });
+    let unbounded_call = tokio::spawn(async move { unbounded.get_stream("KV_x").await.err() });
+    let bounded_error = tokio::time::timeout(Duration::from_secs(7), bounded_call)
+        .await
+        .expect("the bounded request never ended")
+        .expect("task")
+        .expect("an error");
+    let took = asked.elapsed();
+    println!("bounded context: {bounded_error} after {took:?}");
+    assert!(
+        took >= ankusa_bus::connect::JETSTREAM_API_BOUND - Duration::from_millis(100),
+        "ended early: {bounded_error} after {took:?}"
+    );
+    // Still waiting 2 s past the bound; the client's pings would notice
+    // the dead server only after about 10 s.
+    tokio::time::sleep(Duration::from_secs(7).saturating_sub(asked.elapsed())).await;
+    assert!(
+        !unbounded_call.is_finished(),
+        "a context without a timeout now ends its requests: JETSTREAM_API_BOUND may be moot"
+    );
+    unbounded_call.abort();
+    server.resume().expect("SIGCONT nats-server");
 }

@@ -278,7 +278,7 @@ impl FleetKv {
         create: Option<usize>,
     ) -> Result<Self, KvError> {
         let writes = Arc::new(Inbox::new(client.clone()));
-        let js = jetstream::new(client);
+        let js = crate::connect::jetstream(client);
         let state_bucket = format!("ankusa_{instance}_state");
         let leases_bucket = format!("ankusa_{instance}_leases");
         let nodes_bucket = format!("ankusa_{instance}_nodes");

@@ -88,7 +88,7 @@ impl Scratch {
 }
 
 async fn delete_buckets(client: &async_nats::Client, instance: &str) {
-    let js = async_nats::jetstream::new(client.clone());
+    let js = ankusa_bus::jetstream(client.clone());
     for suffix in ["state", "leases", "nodes"] {
         let _ = js
             .delete_key_value(format!("ankusa_{instance}_{suffix}"))
@@ -197,7 +197,7 @@ async fn durable_in(scratch: &Scratch, args: &DurableArgs) -> Result<DurableRepo
         write_claims(&writer, &[0], args.count, 1000, args.concurrency).await;
     drop(writer);
 
-    let js = async_nats::jetstream::new(scratch.client.clone());
+    let js = ankusa_bus::jetstream(scratch.client.clone());
     let store = js
         .get_key_value(scratch.state_bucket())
         .await
