@@ -17,6 +17,8 @@ pub enum PersistError {
     Write(String),
     #[error("the KV writer has stopped")]
     Stopped,
+    #[error("KV writes are behind: {queued} changes already wait for JetStream")]
+    Backlog { queued: usize },
 }
 
 /// How a shard's changes are kept.

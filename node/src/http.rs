@@ -79,6 +79,14 @@ pub fn describe_metrics() {
     );
     describe_gauge!("ankusa_kv_writes_in_flight", "KV writes awaiting their ack");
     describe_counter!("ankusa_kv_write_failures_total", "KV writes that failed");
+    describe_gauge!(
+        "ankusa_kv_writes_queued",
+        "Claim changes queued for the claim log, not yet in a message sent"
+    );
+    describe_counter!(
+        "ankusa_kv_backlog_refusals_total",
+        "Submissions of changes refused because too many were queued (answered unavailable)"
+    );
     describe_counter!(
         "ankusa_lease_renew_failures_total",
         "Lease renewals that failed on a KV error"
@@ -138,6 +146,7 @@ pub fn describe_metrics() {
         "ankusa_kv_call_timeouts_total",
         "ankusa_state_unreadable_total",
         "ankusa_kv_write_failures_total",
+        "ankusa_kv_backlog_refusals_total",
         "ankusa_lease_renew_failures_total",
         "ankusa_lease_acquire_failures_total",
         "ankusa_leases_lost_total",

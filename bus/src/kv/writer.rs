@@ -310,6 +310,8 @@ struct ClaimLogs {
     writer: String,
     seq: u64,
     logs: HashMap<LogId, ClaimLog>,
+    /// Changes queued in all logs.
+    queued: usize,
 }
 
 /// Messages of one log awaiting their acks at once. With one, a change made
@@ -320,6 +322,14 @@ struct ClaimLogs {
 /// go out on one connection, so they are stored in the order they were sent;
 /// the replay does not depend on that order anyway (see `claimlog`).
 const LOG_MESSAGES_IN_FLIGHT: usize = 2;
+
+/// Changes queued in all logs at most. Past it, new ones are refused at once
+/// (`unavailable`) rather than queued: a server that acknowledges more
+/// slowly than changes come in would otherwise grow the queue (and the
+/// requests waiting on it) without end, long after their callers gave up.
+/// Healthy, the queues hold a few hundred; this is about 50 MB with the
+/// requests waiting on them.
+const MAX_QUEUED_CHANGES: usize = 100_000;
 
 #[derive(Default)]
 struct ClaimLog {
@@ -347,7 +357,42 @@ impl ClaimLogs {
             writer,
             seq: 0,
             logs: HashMap::new(),
+            queued: 0,
         }
+    }
+
+    /// Queues `changes` on their logs (the node log, or each shard's group
+    /// log) and returns the logs that got some; refuses them all, unqueued,
+    /// when they would take the queues past [`MAX_QUEUED_CHANGES`].
+    fn queue(
+        &mut self,
+        changes: Vec<(u32, EncodedChange)>,
+        done: &Done,
+        node_log: bool,
+        touched: &mut Vec<LogId>,
+    ) -> Result<(), PersistError> {
+        if self.queued + changes.len() > MAX_QUEUED_CHANGES {
+            return Err(PersistError::Backlog {
+                queued: self.queued,
+            });
+        }
+        self.queued += changes.len();
+        for (shard, change) in changes {
+            let id = if node_log {
+                LogId::Node
+            } else {
+                LogId::Group(claimlog::log_of(shard))
+            };
+            self.logs
+                .entry(id)
+                .or_default()
+                .queue
+                .push((change, done.clone()));
+            if !touched.contains(&id) {
+                touched.push(id);
+            }
+        }
+        Ok(())
     }
 
     /// A message of log `id` was acknowledged (or failed): its room is free.
@@ -376,6 +421,7 @@ impl ClaimLogs {
             .max(1);
         let batch: Vec<(EncodedChange, Done)> = log.queue.drain(..take).collect();
         log.in_flight += 1;
+        self.queued -= batch.len();
         self.seq += 1;
         let keep_until = batch
             .iter()
@@ -415,6 +461,7 @@ async fn commit_loop(
     let mut acks = FuturesUnordered::new();
     // Exported from the start: `ankusa status` shows it as the node's lag.
     metrics::gauge!("ankusa_kv_writes_in_flight").set(0.0);
+    metrics::gauge!("ankusa_kv_writes_queued").set(0.0);
     let mut open = true;
     while open || !acks.is_empty() {
         tokio::select! {
@@ -434,19 +481,11 @@ async fn commit_loop(
                         // Switching logs midway is safe: the replay does not
                         // depend on the order of two messages in flight at once.
                         let node_log = node_log.load(Ordering::Relaxed);
-                        for (shard, change) in changes {
-                            let id = if node_log {
-                                LogId::Node
-                            } else {
-                                LogId::Group(claimlog::log_of(shard))
-                            };
-                            logs.logs
-                                .entry(id)
-                                .or_default()
-                                .queue
-                                .push((change, done.clone()));
-                            if !ready.contains(&id) {
-                                ready.push(id);
+                        let count = changes.len();
+                        if let Err(refused) = logs.queue(changes, &done, node_log, &mut ready) {
+                            metrics::counter!("ankusa_kv_backlog_refusals_total").increment(1);
+                            for _ in 0..count {
+                                done.settle(&Err(refused.clone()));
                             }
                         }
                         next = rx.try_recv().ok();
@@ -465,11 +504,13 @@ async fn commit_loop(
                     send_next(&inbox, &mut logs, id, &mut acks).await;
                 }
                 metrics::gauge!("ankusa_kv_writes_in_flight").set(acks.len() as f64);
+                metrics::gauge!("ankusa_kv_writes_queued").set(logs.queued as f64);
             }
             Some(id) = acks.next(), if !acks.is_empty() => {
                 logs.acknowledged(id);
                 send_next(&inbox, &mut logs, id, &mut acks).await;
                 metrics::gauge!("ankusa_kv_writes_in_flight").set(acks.len() as f64);
+                metrics::gauge!("ankusa_kv_writes_queued").set(logs.queued as f64);
             }
         }
     }
@@ -566,18 +607,7 @@ mod tests {
     fn a_log_sends_its_next_message_while_one_awaits_its_ack_but_no_more() {
         let mut logs = ClaimLogs::new("state".into(), Arc::new(SystemClock));
         let queue = |logs: &mut ClaimLogs, n: usize| {
-            for _ in 0..n {
-                let change = EncodedChange {
-                    bytes: vec![0xc0],
-                    keep_until_us: now_unix_us() + 60_000_000,
-                };
-                let (done, _) = Waiter::new(1);
-                logs.logs
-                    .entry(LogId::Node)
-                    .or_default()
-                    .queue
-                    .push((change, done));
-            }
+            queue_changes(logs, n).expect("room");
         };
         queue(&mut logs, 3);
         let (_, first) = logs.next_message(LogId::Node).expect("the first leaves");
@@ -594,5 +624,41 @@ mod tests {
         let (_, third) = logs.next_message(LogId::Node).expect("then it leaves");
         assert_eq!(third.len(), 4, "with everything that waited");
         assert!(logs.next_message(LogId::Node).is_none(), "nothing waits");
+    }
+
+    /// Queues `n` one-byte changes on the node log, as one submission.
+    fn queue_changes(logs: &mut ClaimLogs, n: usize) -> Result<(), PersistError> {
+        let changes = (0..n)
+            .map(|_| {
+                let change = EncodedChange {
+                    bytes: vec![0xc0],
+                    keep_until_us: now_unix_us() + 60_000_000,
+                };
+                (0, change)
+            })
+            .collect();
+        let (done, _) = Waiter::new(n);
+        let mut touched = Vec::new();
+        logs.queue(changes, &done, true, &mut touched)?;
+        assert_eq!(touched, [LogId::Node]);
+        Ok(())
+    }
+
+    #[test]
+    fn changes_past_the_backlog_are_refused_whole_until_messages_leave() {
+        let mut logs = ClaimLogs::new("state".into(), Arc::new(SystemClock));
+        queue_changes(&mut logs, MAX_QUEUED_CHANGES - 1).expect("room");
+        assert_eq!(
+            queue_changes(&mut logs, 2),
+            Err(PersistError::Backlog {
+                queued: MAX_QUEUED_CHANGES - 1
+            }),
+            "a submission is refused whole"
+        );
+        assert_eq!(logs.queued, MAX_QUEUED_CHANGES - 1, "nothing of it queued");
+        queue_changes(&mut logs, 1).expect("the last place");
+        let (_, sent) = logs.next_message(LogId::Node).expect("a message leaves");
+        assert_eq!(logs.queued, MAX_QUEUED_CHANGES - sent.len());
+        queue_changes(&mut logs, sent.len()).expect("room again");
     }
 }
