@@ -1,14 +1,25 @@
 //! The node's HTTP face for operators: `/metrics` (Prometheus text), `/healthz`
 //! (the process is up) and `/readyz` (connected to NATS and serving its shards).
+//! It holds a bounded number of connections, each for a bounded time.
 
+use std::future::Future;
+use std::io;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
+use axum::serve::Listener;
 use axum::Router;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Sleep;
 
 use crate::health::Health;
 
@@ -180,7 +191,11 @@ pub async fn serve(
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready))
         .with_state(AppState { metrics, health });
-    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let listener = BoundedListener::new(
+        TcpListener::bind(addr).await?,
+        MAX_CONNECTIONS,
+        CONNECTION_LIFETIME,
+    );
     let bound = listener.local_addr()?;
     tokio::spawn(async move {
         if let Err(err) = axum::serve(listener, app).await {
@@ -188,6 +203,113 @@ pub async fn serve(
         }
     });
     Ok(bound)
+}
+
+/// Connections the endpoint holds at once. A scraper needs one, kept alive
+/// between scrapes. axum gives hyper no timer, so hyper waits for a request's
+/// headers without end: without a cap, clients that connect and never finish
+/// a request would take every file descriptor of the process, those NATS
+/// reconnects need included. Past the cap, connections wait in the kernel's
+/// backlog until one closes.
+const MAX_CONNECTIONS: usize = 64;
+
+/// How long a connection may live, idle or not: one that never finishes a
+/// request gives its place back, and a scraper simply reconnects.
+const CONNECTION_LIFETIME: Duration = Duration::from_secs(60);
+
+/// A TCP listener that accepts at most `permits` connections at once, each
+/// for at most `lifetime`.
+struct BoundedListener {
+    tcp: TcpListener,
+    permits: Arc<Semaphore>,
+    lifetime: Duration,
+}
+
+impl BoundedListener {
+    fn new(tcp: TcpListener, connections: usize, lifetime: Duration) -> Self {
+        Self {
+            tcp,
+            permits: Arc::new(Semaphore::new(connections)),
+            lifetime,
+        }
+    }
+}
+
+impl Listener for BoundedListener {
+    type Io = BoundedConnection;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        // A place first, then the connection: the ones beyond the cap stay in
+        // the kernel's backlog, holding no descriptor of ours.
+        let Ok(permit) = self.permits.clone().acquire_owned().await else {
+            // Only a closed semaphore refuses, and this one is never closed.
+            return std::future::pending().await;
+        };
+        let (stream, addr) = Listener::accept(&mut self.tcp).await;
+        let connection = BoundedConnection {
+            stream,
+            ends: Box::pin(tokio::time::sleep(self.lifetime)),
+            _place: permit,
+        };
+        (connection, addr)
+    }
+
+    fn local_addr(&self) -> io::Result<Self::Addr> {
+        self.tcp.local_addr()
+    }
+}
+
+/// An accepted connection that fails its reads and writes once its lifetime
+/// is over, so that hyper drops it, and gives its place back when dropped.
+struct BoundedConnection {
+    stream: TcpStream,
+    ends: Pin<Box<Sleep>>,
+    _place: OwnedSemaphorePermit,
+}
+
+impl BoundedConnection {
+    fn check_lifetime(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
+        match self.ends.as_mut().poll(cx) {
+            Poll::Ready(()) => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the connection outlived its time",
+            )),
+            Poll::Pending => Ok(()),
+        }
+    }
+}
+
+impl AsyncRead for BoundedConnection {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        this.check_lifetime(cx)?;
+        Pin::new(&mut this.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for BoundedConnection {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        this.check_lifetime(cx)?;
+        Pin::new(&mut this.stream).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
 }
 
 async fn render_metrics(State(state): State<AppState>) -> String {
@@ -199,5 +321,54 @@ async fn ready(State(state): State<AppState>) -> (StatusCode, String) {
     match state.health.readiness() {
         Ok(summary) => (StatusCode::OK, summary),
         Err(why) => (StatusCode::SERVICE_UNAVAILABLE, why),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    #[tokio::test]
+    async fn connections_past_the_cap_wait_for_a_place_and_each_lives_a_bounded_time() {
+        let tcp = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let listener = BoundedListener::new(tcp, 2, Duration::from_millis(300));
+        let addr = listener.local_addr().expect("address");
+        let app = Router::new().route("/healthz", get(|| async { "ok\n" }));
+        tokio::spawn(async move { axum::serve(listener, app).await });
+
+        // Two connections that never send a request take both places.
+        let mut silent = Vec::new();
+        for _ in 0..2 {
+            silent.push(TcpStream::connect(addr).await.expect("connect"));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut scraper = TcpStream::connect(addr).await.expect("connect");
+        scraper
+            .write_all(b"GET /healthz HTTP/1.1\r\nhost: node\r\nconnection: close\r\n\r\n")
+            .await
+            .expect("send");
+        let mut answer = Vec::new();
+        let early =
+            tokio::time::timeout(Duration::from_millis(150), scraper.read_to_end(&mut answer))
+                .await;
+        assert!(early.is_err(), "answered past the cap: {answer:?}");
+
+        // Their lifetime over, the silent ones are dropped and the scraper's
+        // request is answered.
+        tokio::time::timeout(Duration::from_secs(2), scraper.read_to_end(&mut answer))
+            .await
+            .expect("answered once a place was free")
+            .expect("read");
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        for mut connection in silent {
+            let mut byte = [0u8; 1];
+            let read = tokio::time::timeout(Duration::from_secs(1), connection.read(&mut byte))
+                .await
+                .expect("closed by the server");
+            assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+        }
     }
 }
