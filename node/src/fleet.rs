@@ -142,6 +142,7 @@ impl Fleet {
             started_ms: self.started_ms,
             http: self.config.http_addr.map(|a| a.to_string()),
             claim_log_format: claimlog::NODE_LOG_FORMAT,
+            incarnation: self.kv.incarnation(),
         };
         // No longer than a renewal waits, so that the next round renews in time.
         let bound = renewal_wait(&self.config);

@@ -150,11 +150,16 @@ pub fn describe_metrics() {
         "KV calls of the ownership loop that did not answer within their bound"
     );
     describe_counter!(
+        "ankusa_node_id_conflicts_total",
+        "Other live processes seen heartbeating under this node's id"
+    );
+    describe_counter!(
         "ankusa_state_unreadable_total",
         "State bucket messages a shard load could not read and skipped (each load that reads one counts it)"
     );
     for counter in [
         "ankusa_kv_call_timeouts_total",
+        "ankusa_node_id_conflicts_total",
         "ankusa_state_unreadable_total",
         "ankusa_kv_write_failures_total",
         "ankusa_kv_backlog_refusals_total",

@@ -7,6 +7,9 @@
 //! node's life: [`Membership`] keeps what it delivers, and a round lists only
 //! while the watch cannot be trusted (before it has caught up, or when this
 //! node's own heartbeats stop coming back through it).
+//!
+//! The same watch tells when another live process has this node's id: its
+//! heartbeats keep coming after this process's own came back.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -22,16 +25,27 @@ use tokio::time::Instant;
 #[derive(Debug)]
 struct View {
     me: String,
+    /// This process's [`FleetKv::incarnation`].
+    incarnation: u64,
     beats: BTreeMap<String, (Heartbeat, Instant)>,
     caught_up: bool,
+    /// Whether a heartbeat of this process has come back through the watch.
+    /// Before, one of this node's id from another process is a life before a
+    /// restart; after, it is a live twin.
+    heard_myself: bool,
+    /// The twins already reported, so that each is logged once.
+    twins: Vec<u64>,
 }
 
 impl View {
-    fn new(me: String) -> Self {
+    fn new(me: String, incarnation: u64) -> Self {
         Self {
             me,
+            incarnation,
             beats: BTreeMap::new(),
             caught_up: false,
+            heard_myself: false,
+            twins: Vec::new(),
         }
     }
 
@@ -39,9 +53,39 @@ impl View {
     fn apply(&mut self, event: NodeEvent, at: Instant) -> bool {
         self.caught_up |= event.caught_up;
         match event.change {
-            NodeChange::Beat(beat) => self.beats.insert(beat.node.clone(), (beat, at)).is_none(),
+            NodeChange::Beat(beat) => {
+                if beat.node == self.me {
+                    self.check_twin(&beat);
+                }
+                self.beats.insert(beat.node.clone(), (beat, at)).is_none()
+            }
             NodeChange::Gone(node) => self.beats.remove(&node).is_some(),
         }
+    }
+
+    /// Reports a heartbeat of this node's id written by another live
+    /// process. Two processes under one id take and serve one node's shards
+    /// between them, each unaware, while the fleet counts them as one node:
+    /// the other nodes' targets are wrong, and so are both processes'
+    /// handoffs.
+    fn check_twin(&mut self, beat: &Heartbeat) {
+        if beat.incarnation == self.incarnation {
+            self.heard_myself = true;
+            return;
+        }
+        // 0: a release that does not say; heard before this process's own:
+        // the last heartbeat of this node's life before a restart.
+        if !self.heard_myself || beat.incarnation == 0 || self.twins.contains(&beat.incarnation) {
+            return;
+        }
+        self.twins.push(beat.incarnation);
+        metrics::counter!("ankusa_node_id_conflicts_total").increment(1);
+        tracing::error!(
+            node_id = %self.me,
+            started_ms = beat.started_ms,
+            "another live process has this node's id; give every node its own node_id \
+             (several nodes on one host share its name, the default)"
+        );
     }
 
     /// Forgets everything, for a watch that begins again.
@@ -81,7 +125,7 @@ impl Membership {
     /// joins or leaves (renewals of known nodes wake nobody; a heartbeat that
     /// lapses without a marker is found by the next round's [`Membership::live`]).
     pub fn watch(kv: FleetKv, me: &str, wake: Arc<Notify>) -> Self {
-        let view = Arc::new(Mutex::new(View::new(me.to_string())));
+        let view = Arc::new(Mutex::new(View::new(me.to_string(), kv.incarnation())));
         let kept = view.clone();
         tokio::spawn(async move {
             loop {
@@ -128,12 +172,17 @@ mod tests {
     const TTL: Duration = Duration::from_secs(2);
 
     fn beat(node: &str) -> NodeEvent {
+        beat_of(node, 1)
+    }
+
+    fn beat_of(node: &str, incarnation: u64) -> NodeEvent {
         NodeEvent {
             change: NodeChange::Beat(Heartbeat {
                 node: node.into(),
                 started_ms: 1,
                 http: None,
                 claim_log_format: 2,
+                incarnation,
             }),
             caught_up: true,
         }
@@ -147,7 +196,7 @@ mod tests {
     #[test]
     fn the_view_lists_the_nodes_heard_within_a_heartbeat_lifetime() {
         let t0 = Instant::now();
-        let mut view = View::new("a".into());
+        let mut view = View::new("a".into(), 1);
         assert!(view.apply(beat("a"), t0), "a new node is a change");
         assert!(view.apply(beat("b"), t0));
         assert!(!view.apply(beat("b"), t0 + TTL / 2), "a renewal is not");
@@ -174,7 +223,7 @@ mod tests {
     #[test]
     fn the_view_is_not_trusted_before_it_caught_up_or_without_this_nodes_heartbeat() {
         let t0 = Instant::now();
-        let mut view = View::new("a".into());
+        let mut view = View::new("a".into(), 1);
         let mut early = beat("b");
         early.caught_up = false;
         view.apply(early, t0);
@@ -203,5 +252,27 @@ mod tests {
             Some(vec!["a".into()]),
             "a watch begun again starts from what it delivers"
         );
+    }
+
+    #[test]
+    fn a_twin_is_a_process_of_this_id_heard_after_this_ones_own_heartbeat() {
+        let t0 = Instant::now();
+        let mut view = View::new("a".into(), 1);
+        view.apply(beat_of("a", 9), t0);
+        assert!(view.twins.is_empty(), "the last heartbeat before a restart");
+        view.apply(beat_of("a", 1), t0);
+        view.apply(beat_of("a", 0), t0);
+        view.apply(beat_of("b", 5), t0);
+        assert!(
+            view.twins.is_empty(),
+            "a release that does not say, another node"
+        );
+        for _ in 0..3 {
+            view.apply(beat_of("a", 9), t0);
+        }
+        assert_eq!(view.twins, [9], "a live twin, reported once");
+        view.reset();
+        view.apply(beat_of("a", 9), t0);
+        assert_eq!(view.twins, [9], "still known after a new watch");
     }
 }

@@ -580,6 +580,51 @@ async fn a_writer_drops_the_buckets_of_the_shards_it_stopped_serving() {
     assert_eq!(stored(4).await, hooks_at("taken-back"));
 }
 
+/// Two live processes given one node id split that node's shards while the
+/// fleet counts one node: each hears the other's heartbeats after its own and
+/// says so. A node restarted under its id says nothing. (Its earlier life's
+/// last heartbeat reaches its watch only when the watch begins before its
+/// own first heartbeat; that order is `membership.rs`'s unit test.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_id_shared_by_two_live_processes_is_reported_and_a_restart_is_not() {
+    const CONFLICTS: &str = "ankusa_node_id_conflicts_total";
+    let nats = NatsServer::start().await.expect("nats");
+    let mut first = node("twin", &nats);
+    first
+        .wait_ready(Duration::from_secs(20))
+        .await
+        .expect("ready");
+    first.kill().await.expect("kill -9");
+    let again = node("twin", &nats);
+    again
+        .wait_ready(Duration::from_secs(20))
+        .await
+        .expect("ready after the restart");
+    // Five heartbeats (one each lease_renew_ms, 400 ms).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        again.metric(CONFLICTS).await,
+        Some(0.0),
+        "a restart taken for a twin: {}",
+        again.log_tail(20)
+    );
+
+    let twin = node("twin", &nats);
+    let both = wait_until(Duration::from_secs(10), || async {
+        again.metric(CONFLICTS).await == Some(1.0) && twin.metric(CONFLICTS).await == Some(1.0)
+    })
+    .await;
+    assert!(
+        both.is_ok(),
+        "the twins did not both report the other once: {:?} and {:?}",
+        again.metric(CONFLICTS).await,
+        twin.metric(CONFLICTS).await
+    );
+    assert!(again
+        .log()
+        .contains("another live process has this node's id"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_node_does_not_answer_for_a_shard_that_moved() {
     let nats = NatsServer::start().await.expect("nats");
@@ -689,6 +734,7 @@ async fn claims_go_to_the_node_log_only_once_every_live_node_reads_it() {
         started_ms: 1,
         http: None,
         claim_log_format: 0,
+        incarnation: 0,
     };
     kv.heartbeat(&earlier, Duration::from_secs(120))
         .await

@@ -109,6 +109,10 @@ pub struct Heartbeat {
     /// ([`claimlog::NODE_LOG_FORMAT`]); 0 from nodes of releases before it.
     #[serde(default)]
     pub claim_log_format: u32,
+    /// The writing process's [`FleetKv::incarnation`], which tells two
+    /// processes given the same node id apart; 0 from earlier releases.
+    #[serde(default)]
+    pub incarnation: u64,
 }
 
 /// A change to the heartbeats, as a watch of them delivers it.
@@ -515,6 +519,12 @@ impl FleetKv {
     }
 
     /// Says `node` is alive for `ttl`; returns the heartbeat's revision.
+    /// This process's mark, random and never 0: written into every lease
+    /// and heartbeat it writes.
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+
     pub async fn heartbeat(&self, beat: &Heartbeat, ttl: Duration) -> Result<u64, KvError> {
         let write = Write::put(
             &self.nodes_bucket,
@@ -954,6 +964,7 @@ mod tests {
             started_ms: 1,
             http: None,
             claim_log_format,
+            incarnation: 7,
         }
     }
 
