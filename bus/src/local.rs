@@ -38,8 +38,8 @@
 //! `sweep_every` operations on a shard, that shard drops expired claims and
 //! tenants that hold nothing (full buckets, no live claim); [`LocalStore::sweep`]
 //! does every shard at once for a periodic tick. A new tenant on a full shard
-//! first drops empty tenants; if the shard is still full, the least recently used
-//! eighth of it is evicted. Evicting a tenant can only cause extra admissions
+//! first drops empty tenants; if that leaves less room than an eighth of the
+//! shard, the least recently used tenants are evicted to make that room. Evicting a tenant can only cause extra admissions
 //! (fresh buckets, forgotten claims), never a `Duplicate`.
 
 use std::collections::HashMap;
@@ -318,18 +318,20 @@ impl LocalStore {
             return;
         }
         self.sweep_shard(shard, now);
-        if shard.tenants.len() < self.per_shard {
+        // Room for an eighth of the shard at once, so that a stream of new
+        // tenants pays for these scans once per eighth rather than on every
+        // insert (a sweep that freed a few would otherwise come again at once).
+        let room = (self.per_shard / 8).max(1);
+        let excess = (shard.tenants.len() + room).saturating_sub(self.per_shard);
+        if excess == 0 {
             return;
         }
-        // Evict a batch, not one, so a stream of new tenants pays for this scan
-        // once per eighth of the shard rather than on every insert.
-        let batch = (self.per_shard / 8).max(1);
         let mut ages: Vec<(u64, Box<str>)> = shard
             .tenants
             .iter()
             .map(|(name, entry)| (entry.last_used_us, name.clone()))
             .collect();
-        let batch = batch.min(ages.len());
+        let batch = excess.min(ages.len());
         if batch < ages.len() {
             ages.select_nth_unstable(batch);
         }

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import logging
 import re
@@ -990,8 +991,13 @@ def _name(op: Op) -> str:
 
 
 def _check_budget(timeout_ms: Any) -> None:
+    """The contract's ``timeout_ms``, a positive integer the wire can carry.
+    Anything else is the caller's error, never a fleet outage: a degrading
+    edge would otherwise answer it locally and count it against the breaker."""
     if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int):
         raise TypeError("timeout_ms must be an int")
+    if not 1 <= timeout_ms < 2**64:
+        raise ValueError(f"timeout_ms must be 1 to 2**64 - 1, not {timeout_ms}")
 
 
 @dataclass
@@ -1008,7 +1014,8 @@ class _Lane:
     """Calls waiting for one node (or one shard whose node is not known), and
     how many messages to it are in flight."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: str) -> None:
+        self.key = key
         self.queue: list[_Waiting] = []
         self.in_flight = 0
 
@@ -1147,6 +1154,7 @@ class EdgeClient:
         With neither, the contract's answer is ``HitOk`` at once: such a hit
         names no tenant whose shard could take it (§9.1)."""
         if not charges and claim is None:
+            _check_budget(timeout_ms)
             return HitOk()
         return await self._call(Hit(tuple(charges), claim), "hit", timeout_ms)
 
@@ -1178,11 +1186,14 @@ class EdgeClient:
         node = self._owners.get(shard)
         # A lane per node, or per shard whose node is not known yet.
         key = f"node.{node}" if node else f"shard.{shard}"
-        lane = self._lanes.setdefault(key, _Lane())
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = _Lane(key)
         lane.queue.append(waiting)
         self._pump(lane)
         # The deadline ends the wait, answer or not: a timer on the call's own
-        # future (cheaper than wait_for, and the lane skips a future done).
+        # future (cheaper than wait_for, and the lane sends no call whose
+        # future is done).
         expiry = loop.call_at(deadline, _expire, waiting.future, timeout_ms)
         try:
             result = await waiting.future
@@ -1201,8 +1212,12 @@ class EdgeClient:
             lane.in_flight == 0
             or (lane.in_flight < self._max_in_flight and len(lane.queue) >= self._max_batch)
         ):
-            taken = lane.queue[: self._max_batch]
+            # Calls whose deadline passed while they waited are answered
+            # already: the node would do their work for nobody.
+            taken = [w for w in lane.queue[: self._max_batch] if not w.future.done()]
             del lane.queue[: self._max_batch]
+            if not taken:
+                continue
             lane.in_flight += 1
             task = asyncio.ensure_future(self._flush(lane, taken))
             # The loop keeps only a weak reference to a task.
@@ -1236,6 +1251,10 @@ class EdgeClient:
                     # None only when this task was cancelled (the loop closing).
                     w.future.set_result(result or Disconnected("the call was cancelled"))
             self._pump(lane)
+            # An idle lane goes, so that the lanes of nodes gone in rollouts
+            # do not pile up; the next call makes it again.
+            if lane.in_flight == 0 and not lane.queue and self._lanes.get(lane.key) is lane:
+                del self._lanes[lane.key]
 
     async def batch(self, ops: Sequence[Op], *, timeout_ms: int) -> list:
         """Carries out ``ops`` (hits, settles, resets, inspects) in as few
@@ -1494,9 +1513,9 @@ class LocalStore:
     ``Duplicate`` is only answered for a claim committed here.
 
     ``clock`` returns unix µs. At most ``max_tenants`` are kept: a new tenant
-    past that first drops the tenants that hold nothing, then the least
-    recently used eighth, which can only admit more, never answer
-    ``Duplicate``. Requests must have passed ``validate``. Not thread-safe:
+    past that first drops the tenants that hold nothing, then, if that leaves
+    less room than an eighth, the least recently used to make that room,
+    which can only admit more, never answer ``Duplicate``. Requests must have passed ``validate``. Not thread-safe:
     use it from one event loop, as ``DegradingEdge`` does."""
 
     def __init__(self, *, max_tenants: int = 100_000, clock: Callable[[], int] | None = None):
@@ -1517,9 +1536,14 @@ class LocalStore:
         return tenant
 
     def _make_room(self) -> None:
+        # Room for an eighth at once, so that a stream of new tenants pays for
+        # a sweep once per eighth, not on every insert (a sweep that freed a
+        # few would otherwise come again at once, each a pass over them all).
         self.sweep()
-        if len(self._tenants) >= self._max_tenants:
-            for name in list(self._tenants)[: max(1, self._max_tenants // 8)]:
+        room = max(1, self._max_tenants // 8)
+        excess = len(self._tenants) + room - self._max_tenants
+        if excess > 0:
+            for name in list(itertools.islice(self._tenants, excess)):
                 del self._tenants[name]
 
     def hit(self, op: Hit) -> HitOutcome:
@@ -1718,6 +1742,7 @@ class DegradingEdge:
     async def hit(
         self, charges: Sequence[Charge], claim: Claim | None = None, *, timeout_ms: int
     ) -> Answer:
+        budget = self._budget(timeout_ms)
         if not charges and claim is None:
             # The fleet's answer, which needs no round trip (§9.1).
             return Answer(HitOk(), "fleet")
@@ -1725,7 +1750,6 @@ class DegradingEdge:
         validate(op)
         if claim and self.local.holds_claim(claim.tenant, claim.source_id, claim.key):
             return Answer(self.local.hit(op), "local", "local_claim")
-        budget = self._budget(timeout_ms)
         fleet = await self._fleet(self.edge.hit(op.charges, claim, timeout_ms=budget))
         if isinstance(fleet, Answer):
             return fleet
@@ -1734,9 +1758,9 @@ class DegradingEdge:
     async def settle(self, claim: Claim, settlement: str, *, timeout_ms: int) -> Answer:
         op = Settle(claim, settlement)
         validate(op)
+        budget = self._budget(timeout_ms)
         if self.local.holds_claim(claim.tenant, claim.source_id, claim.key, claim.hook_id):
             return Answer(self.local.settle(op), "local", "local_claim")
-        budget = self._budget(timeout_ms)
         fleet = await self._fleet(
             self.edge.settle(claim, settlement, timeout_ms=budget), raise_outage=True
         )
@@ -1746,11 +1770,15 @@ class DegradingEdge:
 
     async def reset(self, tenant: str, *, timeout_ms: int) -> Answer:
         validate(Reset(tenant))
+        budget = self._budget(timeout_ms)
         self.local.reset(tenant)
-        fleet = await self._fleet(self.edge.reset(tenant, timeout_ms=self._budget(timeout_ms)))
+        fleet = await self._fleet(self.edge.reset(tenant, timeout_ms=budget))
         return fleet if isinstance(fleet, Answer) else Answer(ResetDone(), "local", fleet)
 
     def _budget(self, timeout_ms: int) -> int:
+        """The fleet's part of a call's budget, once the budget is known to
+        be one the contract allows (the caller's error otherwise, raised)."""
+        _check_budget(timeout_ms)
         return timeout_ms - min(self._reserve_ms, timeout_ms // 10)
 
     async def _fleet(self, call: Any, *, raise_outage: bool = False) -> Answer | str:
@@ -2259,6 +2287,16 @@ async def _scenario(nc: Any, args: argparse.Namespace) -> None:
     live = DegradingEdge(edge)
     await answered("degrade-fleet-hit", live.hit(roomy, claim(kd, h1), timeout_ms=budget))
     await answered("degrade-fleet-commit", live.settle(claim(kd, h1), COMMIT, timeout_ms=budget))
+    # A budget the contract does not allow is the caller's error, raised,
+    # never an outage answered locally and counted against the breaker: five
+    # such failures would open it.
+    refused = 0
+    for bad in (0, -1, -5, -1000, 2**64):
+        try:
+            await live.hit(roomy, timeout_ms=bad)
+        except ValueError:
+            refused += 1
+    emit("degrade-bad-budget", refused=refused, breaker=live.breaker.state)
     out = DegradingEdge(void, breaker=CircuitBreaker(failure_threshold=2, base_backoff_s=60))
     await answered("degrade-out-hit", out.hit(roomy, claim(kl, h1), timeout_ms=100))
     # The key the fleet committed is unknown here: accepted again (a

@@ -762,6 +762,13 @@ async fn python_edge_against_a_live_fleet() {
         let ok = json!({"result": "ok"});
         answered("degrade-fleet-hit", ok.clone(), "fleet", Value::Null);
         answered("degrade-fleet-commit", ok.clone(), "fleet", Value::Null);
+        let bad_budget = s.step("degrade-bad-budget");
+        assert_eq!(
+            (&bad_budget["refused"], &bad_budget["breaker"]),
+            (&json!(5), &json!("closed")),
+            "{}",
+            s.all
+        );
         answered(
             "degrade-out-hit",
             ok.clone(),

@@ -42,11 +42,16 @@ pub enum RedisLuaError {
     Connect { url: String, source: RedisError },
     #[error("cannot load the Lua scripts: {0}")]
     Load(RedisError),
+    #[error("Redis did not answer SCRIPT LOAD within {0:?}")]
+    Stalled(Duration),
     #[error("the embedded Lua file has no `-- @@{0}` section")]
     MissingScript(&'static str),
     #[error("a pool needs at least one connection")]
     EmptyPool,
 }
+
+/// How long loading a Lua script may take.
+const SCRIPT_LOAD_BOUND: Duration = Duration::from_secs(5);
 
 /// The contract on one `redis-server`, through a small pool of multiplexed
 /// connections used round-robin.
@@ -191,19 +196,16 @@ impl RedisLuaStore {
             hit: Script::new(section("hit")?),
             settle: Script::new(section("settle")?),
         };
+        // The connection has no response timeout (see above): a Redis that
+        // took the connection and then stalled would hold this for good.
         let mut conn = store.conn();
-        store
-            .hit
-            .prepare_invoke()
-            .load_async(&mut conn)
-            .await
-            .map_err(RedisLuaError::Load)?;
-        store
-            .settle
-            .prepare_invoke()
-            .load_async(&mut conn)
-            .await
-            .map_err(RedisLuaError::Load)?;
+        for script in [&store.hit, &store.settle] {
+            let invocation = script.prepare_invoke();
+            tokio::time::timeout(SCRIPT_LOAD_BOUND, invocation.load_async(&mut conn))
+                .await
+                .map_err(|_| RedisLuaError::Stalled(SCRIPT_LOAD_BOUND))?
+                .map_err(RedisLuaError::Load)?;
+        }
         Ok(store)
     }
 

@@ -51,9 +51,9 @@ pub struct BenchArgs {
     /// Redis for the Redis + Lua baseline of --compare
     #[arg(long, default_value = "redis://127.0.0.1:6379/")]
     pub redis_url: String,
-    /// Multiplexed connections to Redis
-    #[arg(long, default_value_t = 4)]
-    pub redis_pool: usize,
+    /// Multiplexed connections to Redis (1 to 64)
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub redis_pool: u16,
     /// Skip the open-loop runs at half the fleet's peak
     #[arg(long)]
     pub no_half_peak: bool,
@@ -552,7 +552,7 @@ async fn compare(global: &Global, args: &BenchArgs, cfg: WorkloadConfig) -> Resu
     let echo_client = global.nats_client(Duration::from_secs(5)).await?;
     let echo = Arc::new(EchoStore::new(echo_client, &base));
     let redis = Arc::new(
-        RedisLuaStore::connect(&args.redis_url, args.redis_pool)
+        RedisLuaStore::connect(&args.redis_url, usize::from(args.redis_pool))
             .await
             .map_err(|e| CliError::Baseline(e.to_string()))?,
     );

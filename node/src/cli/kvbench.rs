@@ -30,8 +30,8 @@ pub struct DurableArgs {
     /// Claims submitted to the writer at once
     #[arg(long, default_value_t = 2048)]
     pub concurrency: usize,
-    /// Longest the sequential puts run, seconds
-    #[arg(long, default_value_t = 5.0)]
+    /// Longest the sequential puts run, seconds (0.1 to 600)
+    #[arg(long, default_value_t = 5.0, value_parser = sequential_seconds)]
     pub sequential_s: f64,
     /// Most sequential puts
     #[arg(long, default_value_t = 20_000)]
@@ -55,6 +55,15 @@ pub struct RecoveryArgs {
     /// Write the figures as JSON to this file
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
+}
+
+/// `--sequential-s`: a number of seconds from 0.1 to 600 (a NaN would get
+/// past a clamp, and make no duration).
+fn sequential_seconds(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(s) if (0.1..=600.0).contains(&s) => Ok(s),
+        _ => Err(format!("`{text}`: say a number of seconds from 0.1 to 600")),
+    }
 }
 
 /// A scratch set of buckets, deleted on [`Scratch::remove`].
@@ -203,7 +212,7 @@ async fn durable_in(scratch: &Scratch, args: &DurableArgs) -> Result<DurableRepo
         .await
         .map_err(|e| CliError::Other(format!("opening the state bucket: {e}")))?;
     let expires_us = (now_unix_ms() + 600_000) * 1000;
-    let limit = Duration::from_secs_f64(args.sequential_s.clamp(0.1, 600.0));
+    let limit = Duration::from_secs_f64(args.sequential_s);
     let mut latencies = Vec::new();
     let start = Instant::now();
     let mut puts = 0u64;

@@ -69,11 +69,11 @@ pub struct MemoryArgs {
     /// Calls in flight
     #[arg(long, default_value_t = 1024)]
     pub concurrency: usize,
-    /// Stop issuing calls after this long, seconds
-    #[arg(long, default_value_t = 300)]
+    /// Stop issuing calls after this long, seconds (at most a day)
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub max_seconds: u64,
-    /// Longest wait for the node to park every tenant, seconds
-    #[arg(long, default_value_t = 90)]
+    /// Longest wait for the node to park every tenant, seconds (at most a day)
+    #[arg(long, default_value_t = 90, value_parser = clap::value_parser!(u64).range(0..=86_400))]
     pub settle_wait_s: u64,
     /// Write the figures as JSON to this file
     #[arg(long)]

@@ -5,8 +5,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
-use ankusa_bus::kv::{FleetKv, Heartbeat};
-use ankusa_bus::shard::ranges;
+use ankusa_bus::kv::{within, FleetKv, Heartbeat};
+use ankusa_bus::shard::{ranges, MAX_SHARDS};
 use clap::Args;
 use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -130,13 +130,23 @@ fn gauges(text: &str) -> NodeGauges {
     }
 }
 
+/// How long each listing of the KV buckets may take: a listing whose
+/// connection dropped midway may never finish.
+const LISTING_BOUND: Duration = Duration::from_secs(10);
+
 pub async fn collect(global: &Global) -> Result<FleetStatus, CliError> {
+    if !(1..=MAX_SHARDS).contains(&global.shards) {
+        return Err(CliError::Usage(format!(
+            "--shards {} is not in 1..={MAX_SHARDS}",
+            global.shards
+        )));
+    }
     let client = global
         .nats_client(global.timeout(Duration::from_secs(3)))
         .await?;
     let kv = FleetKv::bind(client, &global.instance).await?;
-    let beats: Vec<Heartbeat> = kv.live_nodes().await?;
-    let holders: HashMap<u32, String> = kv.lease_holders().await?;
+    let beats: Vec<Heartbeat> = within(LISTING_BOUND, kv.live_nodes()).await?;
+    let holders: HashMap<u32, String> = within(LISTING_BOUND, kv.lease_holders()).await?;
     let mut by_node: BTreeMap<String, Vec<u32>> = BTreeMap::new();
     for (shard, node) in &holders {
         by_node.entry(node.clone()).or_default().push(*shard);
