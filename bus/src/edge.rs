@@ -401,6 +401,11 @@ impl<S: Store> Edge<S> {
     where
         F: Future<Output = Result<T, StoreError>>,
     {
+        // No time left for the fleet is the caller's budget, not the fleet's
+        // failure: it is answered locally at once, and the breaker not told.
+        if budget.is_zero() {
+            return Fleet::Out(LocalReason::Timeout, None);
+        }
         let permit = match self.breaker.admit(self.mono.now()) {
             Admission::Allowed(permit) => permit,
             Admission::Rejected => return Fleet::Out(LocalReason::BreakerOpen, None),

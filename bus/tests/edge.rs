@@ -259,6 +259,23 @@ async fn every_outage_kind_degrades_with_its_reason() {
     }
 }
 
+/// A call given no time is answered locally at once, and says nothing about
+/// the fleet: as many as open the breaker leave it closed.
+#[tokio::test]
+async fn a_call_with_no_budget_is_local_and_does_not_trip_the_breaker() {
+    let r = rig(2);
+    for n in 0..5 {
+        let answer = r
+            .edge
+            .hit(hit(&format!("k{n}"), "h1"), Duration::ZERO)
+            .await
+            .unwrap();
+        assert_eq!(answer.source, local(LocalReason::Timeout));
+    }
+    assert_eq!(r.edge.store().calls().0, 0, "the fleet was tried");
+    assert_eq!(r.edge.breaker().state(), BreakerState::Closed);
+}
+
 #[tokio::test]
 async fn a_store_that_overruns_its_budget_is_cut_within_the_timeout() {
     let r = rig(100);
