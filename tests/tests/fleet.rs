@@ -566,7 +566,11 @@ async fn a_writer_drops_the_buckets_of_the_shards_it_stopped_serving() {
         .await
         .expect("recorded");
     writer.stop_writing(&[4]);
-    writer.flush_buckets(None).await;
+    assert_eq!(
+        writer.flush_buckets(None).await,
+        0,
+        "every write acknowledged"
+    );
     assert_eq!(stored(3).await, hooks_at("kept"));
     assert_eq!(stored(4).await, vec![], "a stopped shard's TAT was written");
 
@@ -576,7 +580,7 @@ async fn a_writer_drops_the_buckets_of_the_shards_it_stopped_serving() {
         .record([(4, "taken-back", &charged)])
         .await
         .expect("recorded");
-    writer.flush_buckets(Some(4)).await;
+    assert_eq!(writer.flush_buckets(Some(4)).await, 0);
     assert_eq!(stored(4).await, hooks_at("taken-back"));
 }
 

@@ -218,8 +218,9 @@ impl KvWriter {
         lock(&self.dirty).stopped.remove(&shard);
     }
 
-    /// Writes the dirty buckets (of one shard, or all) now and waits for the acks.
-    pub async fn flush_buckets(&self, shard: Option<u32>) {
+    /// Writes the dirty buckets (of one shard, or all) now and waits for the
+    /// acks; returns how many tenants' writes failed (kept for the next flush).
+    pub async fn flush_buckets(&self, shard: Option<u32>) -> usize {
         let batch: Vec<(DirtyTenant, DirtyTats)> = {
             let mut dirty = lock(&self.dirty);
             let DirtyBuckets { tats, stopped } = &mut *dirty;
@@ -239,7 +240,7 @@ impl KvWriter {
                 .collect()
         };
         if batch.is_empty() {
-            return;
+            return 0;
         }
         metrics::histogram!("ankusa_kv_flush_buckets").record(batch.len() as f64);
         let now_us = self.kv.now_us();
@@ -288,6 +289,7 @@ impl KvWriter {
                 "bucket write-behind failed; retrying at the next flush"
             );
         }
+        failed
     }
 }
 

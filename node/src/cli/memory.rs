@@ -345,7 +345,13 @@ pub async fn seed_parked(global: &Global, args: &SeedArgs) -> Result<(), CliErro
                 .await
                 .map_err(|e| CliError::Other(format!("recording tenant {tenant}: {e}")))?;
         }
-        writer.flush_buckets(None).await;
+        let failed = writer.flush_buckets(None).await;
+        if failed > 0 {
+            return Err(CliError::Other(format!(
+                "{failed} tenants' buckets were not written (JetStream refused or did not \
+                 acknowledge them); {written} seeded before this slice"
+            )));
+        }
         written = end;
         next = end;
     }
