@@ -646,16 +646,20 @@ impl ShardState {
             for tenant in self.running.read().values() {
                 let _ = tenant.actor.cast(TenantMsg::Sweep);
             }
-            // Without claims a tenant is checked at once; with claims, in steps.
-            let to_sweep = &mut self.parked_to_sweep;
-            to_sweep.clear();
-            self.parked.retain(|name, state| {
-                if state.claims().is_empty() {
-                    return !state.is_empty(now);
-                }
-                to_sweep.push(name.clone());
-                true
-            });
+            // Without claims a tenant is checked at once; with claims, in
+            // steps. A pass still under way is finished first: starting over
+            // from the same end each period would sweep the same tenants again
+            // and never reach the others' expired claims.
+            if self.parked_to_sweep.is_empty() {
+                let to_sweep = &mut self.parked_to_sweep;
+                self.parked.retain(|name, state| {
+                    if state.claims().is_empty() {
+                        return !state.is_empty(now);
+                    }
+                    to_sweep.push(name.clone());
+                    true
+                });
+            }
         }
         self.sweep_parked(now);
     }

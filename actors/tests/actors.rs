@@ -724,3 +724,46 @@ async fn tenants_retired_together_are_swept_over_several_ticks() {
     assert_eq!(stats(&shard).await.claims, 0);
     assert!(export(&shard).await.is_empty());
 }
+
+/// A sweep pass that takes longer than the sweep period is finished before
+/// the next begins: restarting it every period from the same end swept the
+/// same big tables again and again, and the tenants before them in the map
+/// kept their expired claims for good.
+#[tokio::test]
+async fn a_sweep_pass_longer_than_the_period_reaches_every_parked_tenant() {
+    let clock = ManualClock::new(T0);
+    let shard = spawn_shard(config(&clock, 1, 10), vec![], None)
+        .await
+        .unwrap();
+    // Big tables of live claims: one takes about a whole step to sweep.
+    const BIG: usize = 16;
+    const KEYS: usize = 2_000;
+    for t in 0..BIG {
+        for k in 0..KEYS {
+            let mut c = claim(&format!("big-{t}"), &format!("evt-{k}"), "hook-1");
+            c.pending_ttl_ms = 3_600_000;
+            assert_eq!(hit(&shard, claim_only(c)).await, HitOutcome::Ok);
+        }
+    }
+    // Small tenants whose one claim expires at once, wherever the map puts them.
+    const SMALL: usize = 16;
+    for t in 0..SMALL {
+        let mut c = claim(&format!("small-{t}"), "evt", "hook-1");
+        c.pending_ttl_ms = 1;
+        assert_eq!(hit(&shard, claim_only(c)).await, HitOutcome::Ok);
+    }
+    // Every tick is a new sweep period.
+    for _ in 0..200 {
+        clock.advance_us(20 * MS);
+        tick(&shard);
+        if stats(&shard).await.parked_tenants == BIG {
+            break;
+        }
+    }
+    let s = stats(&shard).await;
+    assert_eq!(
+        (s.parked_tenants, s.claims),
+        (BIG, BIG * KEYS),
+        "the small tenants' expired claims were never swept: {s:?}"
+    );
+}
