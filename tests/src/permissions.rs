@@ -22,12 +22,18 @@ pub fn permissions_conf(extra_users: &str) -> String {
     )
 }
 
-/// The `ankusa-node` arguments that connect a node as the file's node user.
-pub const NODE_USER_ARGS: [&str; 4] = [
+/// The inbox prefix the file lets the node user subscribe to.
+pub const NODE_INBOX_PREFIX: &str = "_INBOX_ankusa_node";
+
+/// The `ankusa-node` arguments that connect a node as the file's node user,
+/// with the inbox prefix the file requires of it.
+pub const NODE_USER_ARGS: [&str; 6] = [
     "--nats-user",
     "ankusa-node",
     "--nats-password",
     NODE_PASSWORD,
+    "--nats-inbox-prefix",
+    NODE_INBOX_PREFIX,
 ];
 
 /// Lines of the server's log reporting a permissions violation.

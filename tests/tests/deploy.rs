@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use ankusa_actors::{HitOutcome, HitRequest, SettleOutcome, Settlement};
 use ankusa_bus::{shard_of, FleetConfig, FleetStore, NatsOptions, Store};
 use ankusa_node::config::{NodeConfig, Overrides};
+use ankusa_tests::permissions::NODE_INBOX_PREFIX;
 use ankusa_tests::requests::{claim, hit, settle};
 use ankusa_tests::{cargo_bin, free_port, nats_server_bin, wait_until, ChildProcess};
 use ankusa_tests::{read_repo_file, workspace_root, NodeProcess, NodeSpec};
@@ -41,11 +42,13 @@ fn example_node_toml_loads_validates_and_holds_the_defaults() {
     let loaded = NodeConfig::load(Some(&path), &Overrides::default())
         .unwrap_or_else(|e| panic!("deploy/config/node.toml: {e}"));
     loaded.validate().expect("validates");
-    // Its values are the defaults (node_id is left to the default on purpose).
-    let defaults = NodeConfig {
+    // Its values are the defaults (node_id is left to the default on purpose),
+    // but for the node's own inbox, which deploy/nats/permissions.conf requires.
+    let mut defaults = NodeConfig {
         node_id: loaded.node_id.clone(),
         ..NodeConfig::default()
     };
+    defaults.nats.inbox_prefix = Some(NODE_INBOX_PREFIX.into());
     assert_eq!(
         loaded, defaults,
         "the file's values drifted from the defaults"

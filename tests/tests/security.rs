@@ -10,18 +10,21 @@
 //!   node or write the instance's KV; an edge whose rights predate node
 //!   batches (shard subjects only) turns them off when the server refuses one,
 //!   and its calls are answered again; an edge user limited to a private inbox
-//!   prefix is answered there, and only there;
+//!   prefix is answered there, and only there; the node's JetStream answers
+//!   (a shard load carries every claim) come to an inbox no edge may read;
 //! - token and nkey authentication;
 //! - TLS with a private CA, and client certificates (`verify: true`).
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ankusa_actors::HitOutcome;
 use ankusa_bus::edge::{Edge, EdgeConfig, LocalReason, Source};
 use ankusa_bus::{FleetConfig, FleetStore, NatsOptions, Store, StoreError};
 use ankusa_tests::permissions::{
-    permissions_conf, violations, EDGE_PASSWORD, NODE_PASSWORD, NODE_USER_ARGS,
+    permissions_conf, violations, EDGE_PASSWORD, NODE_INBOX_PREFIX, NODE_PASSWORD, NODE_USER_ARGS,
 };
 use ankusa_tests::requests::{hit, round_trip};
 use ankusa_tests::{connected_edge, NatsServer, NodeProcess, NodeSpec, ServerConfig};
@@ -226,6 +229,30 @@ async fn the_documented_permissions_let_node_and_edge_work_and_nobody_else() {
         .expect("nats-server with the deploy permissions starts");
     let url = nats.url();
 
+    // The edge user listens on every inbox it may, and tries the node's: what
+    // the node's shard loads deliver (every claim's key) must never reach it.
+    let spy = async_nats::ConnectOptions::with_user_and_password(
+        "ankusa-edge".into(),
+        EDGE_PASSWORD.into(),
+    )
+    .connect(url.as_str())
+    .await
+    .expect("the edge user connects");
+    let leaked = Arc::new(AtomicUsize::new(0));
+    let mut listening = Vec::new();
+    for inboxes in ["_INBOX.>".to_string(), format!("{NODE_INBOX_PREFIX}.>")] {
+        let mut heard = spy.subscribe(inboxes).await.expect("subscribe is sent");
+        let leaked = Arc::clone(&leaked);
+        listening.push(tokio::spawn(async move {
+            while let Some(message) = heard.next().await {
+                if message.payload.windows(5).any(|w| w == b"evt-1") {
+                    leaked.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    spy.flush().await.expect("flush");
+
     // The node in fleet mode: subjects, KV buckets, leases, heartbeats, all
     // within the rights the file gives it.
     let mut node = fleet_node_as_node_user("secure", &url).await;
@@ -354,6 +381,32 @@ async fn the_documented_permissions_let_node_and_edge_work_and_nobody_else() {
             && !log.contains("could not withdraw heartbeat"),
         "no clean leave: {}",
         node.log_tail(20)
+    );
+
+    // The next node loads every shard, claims and all, from KV: evt-1 is
+    // still a duplicate, and none of what the load read reached the edge user.
+    let mut successor = fleet_node_as_node_user("secure-2", &url).await;
+    assert_eq!(
+        edge.hit(hit("acme", "evt-1", "h3"), T).await,
+        Ok(HitOutcome::Duplicate {
+            hook_id: "h1".into()
+        })
+    );
+    successor.stop().await.expect("node stops");
+    spy.flush().await.expect("flush");
+    listening.iter().for_each(|task| task.abort());
+    assert_eq!(
+        leaked.load(Ordering::Relaxed),
+        0,
+        "the edge user read the node's shard loads"
+    );
+    let log = violations(&nats).join("\n");
+    let refused =
+        format!("user:ankusa-edge\" - Subscription Violation - Subject \"{NODE_INBOX_PREFIX}.>\"");
+    assert!(log.contains(&refused), "not logged: {refused}\n{log}");
+    assert!(
+        !log.contains("user:ankusa-node"),
+        "the node needed rights the file does not give: {log}"
     );
 }
 
