@@ -7,7 +7,7 @@ use ankusa_actors::{HitOutcome, HitRequest, Settlement};
 use ankusa_bus::protocol::{Op, Request};
 use ankusa_bus::{FleetConfig, FleetStore, NatsOptions, Store, Subjects};
 use ankusa_tests::requests::{claim, hit, hooks, settle};
-use ankusa_tests::{read_repo_file, wait_until, NatsServer, NodeProcess, NodeSpec};
+use ankusa_tests::{cargo_bin, read_repo_file, wait_until, NatsServer, NodeProcess, NodeSpec};
 
 const T: Duration = Duration::from_millis(1000);
 
@@ -128,6 +128,135 @@ async fn metrics_health_and_readiness() {
     .await;
     assert!(unready.is_ok(), "readyz stayed ready without NATS");
     assert_eq!(node.http("/healthz").await.expect("healthz").0, 200);
+}
+
+/// `ankusa status --json` against the instance of `node`, bounded at 20 s.
+async fn fleet_status(nats: &NatsServer, node: &NodeProcess) -> serde_json::Value {
+    let run = tokio::process::Command::new(cargo_bin("ankusa"))
+        .args(["--nats", &nats.url(), "--instance", &node.spec.instance])
+        .args(["--shards", &node.spec.shards.to_string()])
+        .args(["status", "--json"])
+        .env_remove("ANKUSA_NATS")
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(20), run)
+        .await
+        .expect("`ankusa status` answers within 20 s")
+        .expect("ankusa runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("`status --json` prints JSON")
+}
+
+/// Each listed node's name, with its leased shards.
+fn leased_shards(status: &serde_json::Value) -> Vec<(String, Vec<u64>)> {
+    let nodes = status["nodes"].as_array().expect("nodes");
+    nodes
+        .iter()
+        .map(|n| {
+            let shards = n["shards"].as_array().expect("shards");
+            let shards = shards.iter().map(|s| s.as_u64().expect("shard")).collect();
+            (n["node"].as_str().expect("node").to_string(), shards)
+        })
+        .collect()
+}
+
+/// `ankusa status`, the operator's view: every live node with the shards it
+/// leases and its gauges; a node whose HTTP endpoint is silent is still
+/// listed, with why its gauges are missing; once its heartbeat and leases
+/// lapse, it is gone and its shards are the other node's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_shows_the_shard_map_each_nodes_gauges_and_a_silent_node() {
+    let nats = NatsServer::start().await.expect("nats");
+    // Leases (and heartbeats) of 5 s: a paused node is still listed while
+    // `status` runs.
+    let spec = |id: &str| NodeSpec {
+        lease_ttl_ms: 5_000,
+        lease_renew_ms: 1_000,
+        lease_margin_ms: 1_000,
+        ..NodeSpec::fleet(id, vec![nats.url()])
+    };
+    let first = NodeProcess::start(spec("status-a")).expect("node a");
+    let mut second = NodeProcess::start(spec("status-b")).expect("node b");
+    for node in [&first, &second] {
+        node.wait_ready(Duration::from_secs(30))
+            .await
+            .unwrap_or_else(|why| panic!("{why}\n{}", node.log_tail(20)));
+    }
+    // Both nodes serve once the shards are split between them.
+    let split = wait_until(Duration::from_secs(30), || async {
+        let status = fleet_status(&nats, &first).await;
+        let leased = leased_shards(&status);
+        leased.len() == 2 && leased.iter().all(|(_, shards)| !shards.is_empty())
+    })
+    .await;
+    assert!(split.is_ok(), "the shards were never split");
+    // The gauges are published once a second.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    let status = fleet_status(&nats, &first).await;
+    let leased = leased_shards(&status);
+    let names: Vec<&str> = leased.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["status-a", "status-b"], "{status:#}");
+    let mut every: Vec<u64> = leased.iter().flat_map(|(_, s)| s.clone()).collect();
+    every.sort_unstable();
+    assert_eq!(every, (0..16).collect::<Vec<u64>>(), "{status:#}");
+    assert_eq!(status["unowned"], serde_json::json!([]), "{status:#}");
+    assert_eq!(
+        status["held_by_unknown"],
+        serde_json::json!({}),
+        "{status:#}"
+    );
+    for (node, (_, shards)) in status["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .zip(&leased)
+    {
+        assert!(node["metrics_error"].is_null(), "{node:#}");
+        assert_eq!(node["gauges"]["nats_connected"], 1.0, "{node:#}");
+        assert_eq!(
+            node["gauges"]["shards_owned"].as_f64(),
+            Some(shards.len() as f64),
+            "{node:#}"
+        );
+    }
+
+    // A stopped process: its heartbeat still stands, its endpoint is silent.
+    second.pause().expect("pause node b");
+    let asked = std::time::Instant::now();
+    let status = fleet_status(&nats, &first).await;
+    let took = asked.elapsed();
+    let silent = status["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .find(|n| n["node"] == "status-b")
+        .unwrap_or_else(|| panic!("node b is gone at once: {status:#}"));
+    let why = silent["metrics_error"].as_str().unwrap_or_default();
+    assert!(why.contains("no answer within"), "{status:#}");
+    assert!(silent["gauges"]["shards_owned"].is_null(), "{status:#}");
+    assert!(took < Duration::from_secs(10), "status took {took:?}");
+
+    // Once its heartbeat and leases lapse, node a serves every shard.
+    let taken_over = wait_until(Duration::from_secs(30), || async {
+        let status = fleet_status(&nats, &first).await;
+        let leased = leased_shards(&status);
+        leased.len() == 1
+            && leased[0].0 == "status-a"
+            && leased[0].1.len() == 16
+            && status["unowned"] == serde_json::json!([])
+    })
+    .await;
+    second.resume().expect("resume node b");
+    assert!(
+        taken_over.is_ok(),
+        "node a never held every shard: {:#}",
+        fleet_status(&nats, &first).await
+    );
 }
 
 /// The queries of the dashboard (JSON Grafana imports): every panel but a
