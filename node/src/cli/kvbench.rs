@@ -36,6 +36,9 @@ pub struct DurableArgs {
     /// Most sequential puts
     #[arg(long, default_value_t = 20_000)]
     pub sequential_max: u64,
+    /// Stop submitting group-commit claims after this long, seconds (at most a day)
+    #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub max_seconds: u64,
     /// Write the figures as JSON to this file
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
@@ -52,6 +55,9 @@ pub struct RecoveryArgs {
     /// Claims submitted to the writer at once
     #[arg(long, default_value_t = 2048)]
     pub concurrency: usize,
+    /// Stop submitting claims after this long, seconds (at most a day)
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub max_seconds: u64,
     /// Write the figures as JSON to this file
     #[arg(long)]
     pub json: Option<std::path::PathBuf>,
@@ -116,19 +122,30 @@ fn committed(i: u64, expires_us: u64) -> ClaimRecord {
     )
 }
 
+/// What [`write_claims`] did.
+#[derive(Debug, Clone, Copy)]
+struct Written {
+    ok: u64,
+    failed: u64,
+    elapsed: Duration,
+    /// Claims never submitted: the time bound came first.
+    cut: u64,
+}
+
 /// Writes `count` committed claims through `writer`, claim `i` on shard
-/// `shards[i % len]`, `concurrency` at a time. Returns (written, failed,
-/// elapsed).
+/// `shards[i % len]`, `concurrency` at a time, submitting none after `stop_at`.
 async fn write_claims(
     writer: &Arc<KvWriter>,
     shards: &[u32],
     count: u64,
     tenants: u64,
     concurrency: usize,
-) -> (u64, u64, Duration) {
+    stop_at: Instant,
+) -> Written {
     let expires_us = (now_unix_ms() + 600_000) * 1000;
     let start = Instant::now();
     let results: Vec<bool> = futures::stream::iter(0..count)
+        .take_while(|_| futures::future::ready(Instant::now() < stop_at))
         .map(|i| {
             let writer = Arc::clone(writer);
             let shard = shards[i as usize % shards.len()];
@@ -149,7 +166,20 @@ async fn write_claims(
         .await;
     let elapsed = start.elapsed();
     let ok = results.iter().filter(|r| **r).count() as u64;
-    (ok, count - ok, elapsed)
+    let submitted = results.len() as u64;
+    Written {
+        ok,
+        failed: submitted - ok,
+        elapsed,
+        cut: count - submitted,
+    }
+}
+
+/// The line that says a run stopped at its time bound, if it did.
+fn cut_short(cut: u64, count: u64, max_seconds: u64) -> Option<String> {
+    (cut > 0).then(|| {
+        format!("stopped at --max-seconds {max_seconds}: {cut} of {count} claims never submitted")
+    })
 }
 
 #[derive(Debug, Serialize)]
@@ -158,6 +188,8 @@ struct DurableReport {
     group_commit_failed: u64,
     group_commit_s: f64,
     group_commit_per_sec: f64,
+    /// Claims of --count never submitted: --max-seconds came first.
+    group_commit_cut: u64,
     sequential_puts: u64,
     sequential_s: f64,
     sequential_per_sec: f64,
@@ -179,6 +211,9 @@ pub async fn durable(global: &Global, args: &DurableArgs) -> Result<(), CliError
         report.group_commit_per_sec,
         report.group_commit_failed
     );
+    if let Some(line) = cut_short(report.group_commit_cut, args.count, args.max_seconds) {
+        println!("durable claims, group commit: {line}");
+    }
     println!(
         "durable claims, sequential kv.put: {} in {:.2} s = {:.0} puts/s (p50 {} µs)",
         report.sequential_puts,
@@ -200,10 +235,10 @@ pub async fn durable(global: &Global, args: &DurableArgs) -> Result<(), CliError
 async fn durable_in(scratch: &Scratch, args: &DurableArgs) -> Result<DurableReport, CliError> {
     let writer = KvWriter::start(scratch.kv.clone(), Duration::from_millis(100));
     writer.write_node_log(true);
+    let stop_at = Instant::now() + Duration::from_secs(args.max_seconds);
     // Warm-up: the first publishes open the stream's files.
-    let _ = write_claims(&writer, &[1], 1000, 100, args.concurrency).await;
-    let (ok, failed, elapsed) =
-        write_claims(&writer, &[0], args.count, 1000, args.concurrency).await;
+    let _ = write_claims(&writer, &[1], 1000, 100, args.concurrency, stop_at).await;
+    let group = write_claims(&writer, &[0], args.count, 1000, args.concurrency, stop_at).await;
     drop(writer);
 
     let js = ankusa_bus::jetstream(scratch.client.clone());
@@ -238,14 +273,15 @@ async fn durable_in(scratch: &Scratch, args: &DurableArgs) -> Result<DurableRepo
     let p50 = latencies
         .get(latencies.len() / 2)
         .map_or(0, |d| d.as_micros() as u64);
-    let group_rate = ok as f64 / elapsed.as_secs_f64().max(1e-9);
+    let group_rate = group.ok as f64 / group.elapsed.as_secs_f64().max(1e-9);
     let seq_rate = puts as f64 / seq_elapsed.as_secs_f64().max(1e-9);
     let ratio = group_rate / seq_rate.max(1e-9);
     Ok(DurableReport {
-        group_commit_claims: ok,
-        group_commit_failed: failed,
-        group_commit_s: elapsed.as_secs_f64(),
+        group_commit_claims: group.ok,
+        group_commit_failed: group.failed,
+        group_commit_s: group.elapsed.as_secs_f64(),
         group_commit_per_sec: group_rate,
+        group_commit_cut: group.cut,
         sequential_puts: puts,
         sequential_s: seq_elapsed.as_secs_f64(),
         sequential_per_sec: seq_rate,
@@ -260,6 +296,8 @@ struct RecoveryReport {
     written: u64,
     write_failed: u64,
     write_s: f64,
+    /// Claims of shard 0 never submitted: --max-seconds came first.
+    write_cut: u64,
     loaded_tenants: usize,
     loaded_claims: usize,
     load_s: f64,
@@ -283,6 +321,9 @@ pub async fn recovery(global: &Global, args: &RecoveryArgs) -> Result<(), CliErr
         "recovery: wrote {} claims of shard 0 over {} tenants in {:.2} s ({} failed), as many on {} other shards in the same log messages",
         r.written, args.tenants, r.write_s, r.write_failed, r.shards_together - 1
     );
+    if let Some(line) = cut_short(r.write_cut, args.claims, args.max_seconds) {
+        println!("recovery: {line}");
+    }
     println!(
         "recovery: load_shard(0) read {} claims of {} tenants in {:.3} s (again: {:.3} s); target < 2 s: {}",
         r.loaded_claims,
@@ -308,16 +349,26 @@ async fn recovery_in(scratch: &Scratch, args: &RecoveryArgs) -> Result<RecoveryR
     // that the log messages mix them with shard 0's as a node's do at peak:
     // the load of shard 0 reads and skips them.
     let others: Vec<u32> = (1..OWNED_SHARDS).collect();
-    let ((ok, failed, write_elapsed), (others_ok, _, _)) = tokio::join!(
-        write_claims(&writer, &[0], args.claims, args.tenants, args.concurrency),
+    let stop_at = Instant::now() + Duration::from_secs(args.max_seconds);
+    let (shard0, other_shards) = tokio::join!(
+        write_claims(
+            &writer,
+            &[0],
+            args.claims,
+            args.tenants,
+            args.concurrency,
+            stop_at
+        ),
         write_claims(
             &writer,
             &others,
             args.claims,
             args.tenants,
-            args.concurrency
+            args.concurrency,
+            stop_at
         ),
     );
+    let (ok, others_ok) = (shard0.ok, other_shards.ok);
     drop(writer);
     let count = |state: &[TenantSnapshot]| state.iter().map(|t| t.claims.len()).sum::<usize>();
     let start = Instant::now();
@@ -345,8 +396,9 @@ async fn recovery_in(scratch: &Scratch, args: &RecoveryArgs) -> Result<RecoveryR
     }
     Ok(RecoveryReport {
         written: ok,
-        write_failed: failed,
-        write_s: write_elapsed.as_secs_f64(),
+        write_failed: shard0.failed,
+        write_s: shard0.elapsed.as_secs_f64(),
+        write_cut: shard0.cut,
         loaded_tenants: loaded.len(),
         loaded_claims: claims,
         load_s: load.as_secs_f64(),

@@ -298,6 +298,9 @@ pub struct SeedArgs {
     /// Tenants whose (non-full) buckets to write into the instance's KV
     #[arg(long, default_value_t = 1_000_000)]
     pub count: u64,
+    /// Start no slice of 50,000 tenants after this long, seconds (at most a day)
+    #[arg(long, default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub max_seconds: u64,
 }
 
 /// `ankusa bench seed-parked`: writes `count` tenants' bucket TATs (ten
@@ -316,11 +319,12 @@ pub async fn seed_parked(global: &Global, args: &SeedArgs) -> Result<(), CliErro
     writer.write_node_log(true);
     let tat_us = (now_unix_ms() + 600_000) * 1000;
     let start = Instant::now();
+    let stop_at = start + Duration::from_secs(args.max_seconds);
     let run = std::process::id();
     let mut written = 0u64;
     // In slices, so the dirty map and the flush's futures stay small.
     let mut next = 0u64;
-    while next < args.count {
+    while next < args.count && Instant::now() < stop_at {
         let end = (next + 50_000).min(args.count);
         for i in next..end {
             let tenant = format!("idle{run}-{i}");
@@ -361,5 +365,13 @@ pub async fn seed_parked(global: &Global, args: &SeedArgs) -> Result<(), CliErro
         global.shards,
         start.elapsed().as_secs_f64()
     );
+    if written < args.count {
+        println!(
+            "stopped at --max-seconds {}: {} of {} tenants not seeded",
+            args.max_seconds,
+            args.count - written,
+            args.count
+        );
+    }
     Ok(())
 }
