@@ -119,6 +119,22 @@ pub enum ErrorCode {
     Internal,
 }
 
+impl ErrorCode {
+    /// Every code, in declaration order: `ALL[c as usize] == c`.
+    pub const ALL: [ErrorCode; 10] = [
+        ErrorCode::Malformed,
+        ErrorCode::UnsupportedVersion,
+        ErrorCode::TooLarge,
+        ErrorCode::Invalid,
+        ErrorCode::DeadlineExpired,
+        ErrorCode::Overloaded,
+        ErrorCode::WrongShard,
+        ErrorCode::WrongNode,
+        ErrorCode::Unavailable,
+        ErrorCode::Internal,
+    ];
+}
+
 impl std::fmt::Display for ErrorCode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let name = match self {
@@ -580,6 +596,27 @@ mod tests {
                 }),
             }),
         )
+    }
+
+    #[test]
+    fn every_error_code_is_listed_in_order() {
+        for (i, code) in ErrorCode::ALL.iter().enumerate() {
+            assert_eq!(*code as usize, i, "{code}");
+        }
+        // A new code stops this match compiling: add it to `ALL` as well.
+        let count = |code: ErrorCode| match code {
+            ErrorCode::Malformed
+            | ErrorCode::UnsupportedVersion
+            | ErrorCode::TooLarge
+            | ErrorCode::Invalid
+            | ErrorCode::DeadlineExpired
+            | ErrorCode::Overloaded
+            | ErrorCode::WrongShard
+            | ErrorCode::WrongNode
+            | ErrorCode::Unavailable
+            | ErrorCode::Internal => 1,
+        };
+        assert_eq!(ErrorCode::ALL.map(count).iter().sum::<usize>(), 10);
     }
 
     #[test]

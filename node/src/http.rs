@@ -10,12 +10,13 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use ankusa_bus::protocol::ErrorCode;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
 use axum::serve::Listener;
 use axum::Router;
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -29,11 +30,20 @@ pub fn install_recorder() -> Result<PrometheusHandle, String> {
         0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
         0.5, 1.0,
     ];
-    PrometheusBuilder::new()
+    // The histograms of counts (changes per log message, tenants per flush)
+    // with the latency buckets would put every value from 2 up in `+Inf`.
+    let count_buckets = [
+        1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0,
+    ];
+    let mut builder = PrometheusBuilder::new()
         .set_buckets(&latency_buckets)
-        .map_err(|e| e.to_string())?
-        .install_recorder()
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?;
+    for counted in ["ankusa_claim_log_batch", "ankusa_kv_flush_buckets"] {
+        builder = builder
+            .set_buckets_for_metric(Matcher::Full(counted.into()), &count_buckets)
+            .map_err(|e| e.to_string())?;
+    }
+    builder.install_recorder().map_err(|e| e.to_string())
 }
 
 /// Describes every metric the node exports, and creates the counters at zero so
@@ -177,6 +187,12 @@ pub fn describe_metrics() {
         metrics::counter!(counter).increment(0);
     }
     metrics::counter!("ankusa_requests_dropped_total", "why" => "lease").increment(0);
+    // Every code from the start: `increase()` does not count the first sample
+    // of a new series, so a first burst of refusals would raise no alert.
+    for code in ErrorCode::ALL {
+        metrics::counter!("ankusa_requests_refused_total", "code" => code.to_string()).increment(0);
+    }
+    metrics::counter!("ankusa_requests_refused_total", "code" => "no_reply_subject").increment(0);
 }
 
 #[derive(Clone)]

@@ -79,6 +79,10 @@ async fn metrics_health_and_readiness() {
         "ankusa_requests_total{result=\"rate_limited\"}",
         "ankusa_requests_total{result=\"settled\"}",
         "ankusa_requests_refused_total{code=\"deadline_expired\"} 1",
+        // Every code is exported from the start, for alerts on `increase()`.
+        "ankusa_requests_refused_total{code=\"overloaded\"} 0",
+        // Counts, in buckets of counts.
+        "ankusa_claim_log_batch_bucket{le=\"4\"}",
         "ankusa_request_duration_seconds_bucket{op=\"hit\"",
         "ankusa_request_duration_seconds_count{op=\"settle\"}",
         "ankusa_kv_write_seconds_bucket",
