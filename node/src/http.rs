@@ -83,11 +83,11 @@ pub fn describe_metrics() {
     );
     describe_gauge!(
         "ankusa_tenant_restarts",
-        "Tenant actors that failed and were restarted"
+        "Tenant actors that failed and were restarted, over the shards served now"
     );
     describe_gauge!(
         "ankusa_requests_shed",
-        "Requests shed because a tenant's queue was full"
+        "Requests shed because a tenant's queue was full, over the shards served now"
     );
     describe_histogram!(
         "ankusa_kv_write_seconds",

@@ -171,12 +171,14 @@ pub async fn collect(global: &Global) -> Result<FleetStatus, CliError> {
     // Every node's gauges at once: one after another, a fleet of silent
     // endpoints cost 0.8 s each.
     let readings = futures::future::join_all(beats.iter().map(|beat| async move {
-        match &beat.http {
-            Some(addr) => match http_get(addr, "/metrics", Duration::from_millis(800)).await {
-                Ok(text) => (gauges(&text), None),
-                Err(why) => (NodeGauges::default(), Some(why)),
-            },
-            None => (NodeGauges::default(), Some("no HTTP address".into())),
+        let read = match beat.http.as_deref().map(reachable) {
+            Some(Ok(addr)) => http_get(addr, "/metrics", Duration::from_millis(800)).await,
+            Some(Err(why)) => Err(why),
+            None => Err("no HTTP address".into()),
+        };
+        match read {
+            Ok(text) => (gauges(&text), None),
+            Err(why) => (NodeGauges::default(), Some(why)),
         }
     }))
     .await;
@@ -199,6 +201,20 @@ pub async fn collect(global: &Global) -> Result<FleetStatus, CliError> {
         unowned,
         held_by_unknown: by_node,
     })
+}
+
+/// A node's advertised HTTP address, unless it names no host: a node bound to
+/// `0.0.0.0` advertises just that, and connecting there reaches whatever
+/// listens on this machine, not the node.
+fn reachable(addr: &str) -> Result<&str, String> {
+    match addr.parse::<std::net::SocketAddr>() {
+        Ok(socket) if socket.ip().is_unspecified() => Err(format!(
+            "it advertises {addr}, which names no host (it listens on every \
+             interface); read its gauges from Prometheus, or bind http_addr to \
+             the node's own address"
+        )),
+        _ => Ok(addr),
+    }
 }
 
 fn opt(v: Option<f64>) -> String {
@@ -274,6 +290,17 @@ pub async fn status(global: &Global, args: StatusArgs) -> Result<(), CliError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_address_that_names_no_host_is_not_read() {
+        for unspecified in ["0.0.0.0:9464", "[::]:9464"] {
+            let why = reachable(unspecified).expect_err(unspecified);
+            assert!(why.contains("names no host"), "{why}");
+        }
+        for named in ["127.0.0.1:9464", "10.1.2.3:9464", "[::1]:9464"] {
+            assert_eq!(reachable(named), Ok(named));
+        }
+    }
 
     #[test]
     fn metrics_are_read() {
