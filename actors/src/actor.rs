@@ -6,8 +6,9 @@
 //! ([`ShardHandle::send`]), into the one mailbox the tenant takes them from.
 //! Only a tenant without one goes through the shard actor, which starts it for
 //! a hit or a settle, and applies a reset or an inspect to the tenant's parked
-//! state without starting it. The shard never waits on a tenant. The shard
-//! actor is the only one that adds or removes running tenants, and a handle
+//! state without starting it. The shard waits on a tenant only to retire it
+//! or to export its state, never to route a request, and tenants never wait on
+//! the shard, so the two cannot deadlock. The shard actor is the only one that adds or removes running tenants, and a handle
 //! casts while it holds the map's read lock, so a job handed to a tenant always
 //! lands in its mailbox before the shard's own message retiring it.
 //!
@@ -614,7 +615,7 @@ impl ShardState {
 
     async fn tick(&mut self) {
         let now = self.config.clock.now_us();
-        let idle_us = self.config.idle_after.as_micros() as u64;
+        let idle_us = u64::try_from(self.config.idle_after.as_micros()).unwrap_or(u64::MAX);
         let mut quiet: Vec<(Box<str>, ActorRef<TenantMsg>)> = Vec::new();
         self.running.write().retain(|name, t| {
             let idle =

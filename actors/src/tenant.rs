@@ -398,7 +398,9 @@ impl TenantState {
         }
     }
 
-    /// Adds one persisted claim; a committed claim is never replaced by a pending one.
+    /// Adds one persisted claim in place of what holds its key, except that a
+    /// live committed claim is never replaced by a pending one. Loads give one
+    /// record per key, so which of two records of one phase wins is moot.
     pub fn absorb_claim(&mut self, record: ClaimRecord, now_us: u64) {
         if record.expires_us() <= now_us {
             return;

@@ -389,8 +389,8 @@ impl Fleet {
                 // nothing answers for it until it is served.
                 let window = ServeWindow::closed();
                 window.extend_to(lease_valid_until(&self.config, sent));
+                self.writer.start_writing(shard, window.clone());
                 self.held.insert(shard, Held { revision, window });
-                self.writer.start_writing(shard);
                 taken.push(shard);
             }
         }

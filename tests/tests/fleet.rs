@@ -18,6 +18,7 @@ use ankusa_actors::{
 };
 use ankusa_bus::kv::{within, FleetKv, Heartbeat, KvWriter, LeaseError};
 use ankusa_bus::protocol::{ErrorCode, Op, Reply, ReplyBody, Request};
+use ankusa_bus::responder::ServeWindow;
 use ankusa_bus::{
     server_caught_up, shard_of, FleetConfig, FleetStore, NatsOptions, Store, Subjects,
 };
@@ -575,13 +576,42 @@ async fn a_writer_drops_the_buckets_of_the_shards_it_stopped_serving() {
     assert_eq!(stored(4).await, vec![], "a stopped shard's TAT was written");
 
     // Written again once the node takes the shard back.
-    writer.start_writing(4);
+    let window = ServeWindow::closed();
+    window.extend_to(Instant::now() + Duration::from_secs(3600));
+    writer.start_writing(4, window);
     writer
         .record([(4, "taken-back", &charged)])
         .await
         .expect("recorded");
     assert_eq!(writer.flush_buckets(Some(4)).await, 0);
     assert_eq!(stored(4).await, hooks_at("taken-back"));
+
+    // A shard whose serve window has closed (the node was paused past its
+    // lease) keeps its TATs until a renewal reopens the window: another node
+    // may own the shard by then.
+    let window = ServeWindow::closed();
+    writer.start_writing(5, window.clone());
+    writer
+        .record([(5, "paused", &charged)])
+        .await
+        .expect("recorded");
+    assert_eq!(writer.flush_buckets(None).await, 0);
+    assert_eq!(stored(5).await, vec![], "written outside the serve window");
+    window.extend_to(Instant::now() + Duration::from_secs(60));
+    assert_eq!(writer.flush_buckets(None).await, 0);
+    assert_eq!(stored(5).await, hooks_at("paused"));
+    // Or the renewal finds the lease lost: the TATs are dropped.
+    let window = ServeWindow::closed();
+    writer.start_writing(6, window.clone());
+    writer
+        .record([(6, "lapsed", &charged)])
+        .await
+        .expect("recorded");
+    assert_eq!(writer.flush_buckets(None).await, 0);
+    writer.stop_writing(&[6]);
+    window.extend_to(Instant::now() + Duration::from_secs(60));
+    assert_eq!(writer.flush_buckets(None).await, 0);
+    assert_eq!(stored(6).await, vec![], "a lapsed shard's TAT was written");
 }
 
 /// Two live processes given one node id split that node's shards while the

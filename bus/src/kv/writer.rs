@@ -25,6 +25,7 @@ use crate::claimlog::{self, EncodedChange};
 use crate::lock;
 use crate::persist::PersistError;
 use crate::replies::Inbox;
+use crate::responder::ServeWindow;
 
 /// Who waits for the changes it submitted together: answered once every
 /// message holding one of them is acknowledged, with the first failure if
@@ -98,6 +99,12 @@ struct DirtyBuckets {
     /// when a shard is loaded, so a late write of this node's TAT would undo
     /// the new owner's (a reset, or the TATs it charged since).
     stopped: HashSet<u32>,
+    /// The serve windows of the shards this node took. A shard's TATs are
+    /// written only while its window is open: once it has closed (a pause
+    /// past the lease), another node may own the shard before this one's
+    /// renewal finds out, so they wait for that renewal, which either
+    /// reopens the window or stops the shard's writing.
+    windows: HashMap<u32, ServeWindow>,
 }
 
 /// Group-committing writer of one node's claims and buckets.
@@ -211,11 +218,17 @@ impl KvWriter {
         let mut dirty = lock(&self.dirty);
         dirty.stopped.extend(shards);
         dirty.tats.retain(|(shard, _), _| !shards.contains(shard));
+        for shard in shards {
+            dirty.windows.remove(shard);
+        }
     }
 
-    /// Writes the buckets of `shard` again, which this node is taking (back).
-    pub fn start_writing(&self, shard: u32) {
-        lock(&self.dirty).stopped.remove(&shard);
+    /// Writes the buckets of `shard` again, which this node is taking (back),
+    /// while `window` (the shard's serve window) is open.
+    pub fn start_writing(&self, shard: u32, window: ServeWindow) {
+        let mut dirty = lock(&self.dirty);
+        dirty.stopped.remove(&shard);
+        dirty.windows.insert(shard, window);
     }
 
     /// Writes the dirty buckets (of one shard, or all) now and waits for the
@@ -223,20 +236,19 @@ impl KvWriter {
     pub async fn flush_buckets(&self, shard: Option<u32>) -> usize {
         let batch: Vec<(DirtyTenant, DirtyTats)> = {
             let mut dirty = lock(&self.dirty);
-            let DirtyBuckets { tats, stopped } = &mut *dirty;
-            let taken: Vec<(DirtyTenant, DirtyTats)> = match shard {
-                None => tats.drain().collect(),
-                Some(s) => {
-                    let keys: Vec<_> = tats.keys().filter(|(sh, _)| *sh == s).cloned().collect();
-                    keys.into_iter()
-                        .filter_map(|k| tats.remove_entry(&k))
-                        .collect()
-                }
-            };
+            let DirtyBuckets {
+                tats,
+                stopped,
+                windows,
+            } = &mut *dirty;
             // A request answered while its shard was being let go.
-            taken
-                .into_iter()
-                .filter(|((sh, _), _)| !stopped.contains(sh))
+            tats.retain(|(sh, _), _| !stopped.contains(sh));
+            let ready = |sh: &u32| {
+                shard.is_none_or(|s| s == *sh) && windows.get(sh).is_none_or(ServeWindow::is_open)
+            };
+            let keys: Vec<DirtyTenant> = tats.keys().filter(|(sh, _)| ready(sh)).cloned().collect();
+            keys.into_iter()
+                .filter_map(|k| tats.remove_entry(&k))
                 .collect()
         };
         if batch.is_empty() {
