@@ -159,6 +159,7 @@ impl Fleet {
             // last view.
             None if beat.is_err() => return,
             None => {
+                self.renew_if_due().await;
                 metrics::counter!("ankusa_membership_listings_total").increment(1);
                 within(bound, self.kv.live_nodes()).await
             }
@@ -281,6 +282,15 @@ impl Fleet {
         self.writer.stop_writing(&lost);
     }
 
+    /// Renews the leases if a renewal period has passed since the last: called
+    /// between the steps of a round, each bounded but together longer than a
+    /// lease's serve window when JetStream is slow.
+    async fn renew_if_due(&mut self) {
+        if self.last_renew.elapsed() >= Duration::from_millis(self.config.lease_renew_ms) {
+            self.renew().await;
+        }
+    }
+
     /// Hands a shard back: stop taking requests, finish those in flight, flush its
     /// buckets, then release the lease so the next owner can start.
     async fn hand_back(&mut self, shard: u32) {
@@ -289,11 +299,13 @@ impl Fleet {
         };
         let started = Instant::now();
         let _ = self.host.release(shard).await;
+        self.renew_if_due().await;
         self.writer.flush_buckets(Some(shard)).await;
         self.writer.stop_writing(&[shard]);
         held.window.close();
+        self.renew_if_due().await;
         let release = self.kv.release_lease(shard, held.revision);
-        if let Err(err) = within(self.config.lease_ttl(), release).await {
+        if let Err(err) = within(renewal_wait(&self.config), release).await {
             tracing::warn!(shard, error = %err, "lease release failed; it will lapse by TTL");
         }
         tracing::debug!(
@@ -311,6 +323,7 @@ impl Fleet {
         }
         let started = Instant::now();
         for &shard in &shards {
+            self.renew_if_due().await;
             self.hand_back(shard).await;
         }
         tracing::info!(
@@ -346,17 +359,19 @@ impl Fleet {
         // round costs one. Once it is through, the rest go in waves.
         let mut wave = 1;
         let mut tried = 0;
+        // As long as a renewal waits: a take whose ack was lost (a reconnect)
+        // must not hold back the renewals of the leases already held. The
+        // next round takes over the lease at its own unacknowledged write.
+        let take_wait = renewal_wait(&self.config);
         while tried < free.len() && !kv_failing {
-            if self.last_renew.elapsed() >= renew_every {
-                self.renew().await;
-            }
+            self.renew_if_due().await;
             let shards = &free[tried..free.len().min(tried + wave)];
             tried += shards.len();
             wave = TAKES_AT_ONCE;
             let takes = shards.iter().map(|&shard| {
                 let sent = Instant::now();
                 let take = self.kv.acquire_lease(shard, &self.config.node_id, ttl);
-                async move { (shard, sent, within(ttl, take).await) }
+                async move { (shard, sent, within(take_wait, take).await) }
             });
             for (shard, sent, result) in futures::future::join_all(takes).await {
                 let revision = match result {
@@ -464,7 +479,7 @@ impl Fleet {
             self.writer.stop_writing(&[shard]);
             held.window.close();
             let _ = within(
-                self.config.lease_ttl(),
+                renewal_wait(&self.config),
                 self.kv.release_lease(shard, held.revision),
             )
             .await;
@@ -498,6 +513,7 @@ impl Fleet {
     /// written there before they are answered, so none is lost).
     async fn restart_failed(&mut self) {
         for shard in self.host.failed() {
+            self.renew_if_due().await;
             let Some(window) = self.held.get(&shard).map(|h| h.window.clone()) else {
                 continue;
             };

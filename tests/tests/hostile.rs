@@ -1117,6 +1117,75 @@ async fn a_reconnect_in_the_middle_of_a_round_loses_no_lease() {
     every_shard_answers(&store, &node, "renewed", Duration::ZERO).await;
 }
 
+/// The same cut, at a lease take: a node taking the shards of a node that
+/// died loses its connection, and the take's ack with it. The take gives up
+/// in time for the next renewal of the leases the node already holds; waiting
+/// a lease TTL for that ack let every one of them lapse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnect_at_a_lease_take_loses_no_held_lease() {
+    let _serial = SERIAL.lock().await;
+    let nats = NatsServer::start().await.expect("nats-server starts");
+    let taker = start_node(NodeSpec::fleet("taker", vec![nats.url()])).await;
+    let mut dying = start_node(NodeSpec::fleet("dying", vec![nats.url()])).await;
+    let watcher = nats.connect().await.expect("watcher connects");
+    let kv = ankusa_bus::kv::FleetKv::bind(watcher.clone(), INSTANCE)
+        .await
+        .expect("the instance's buckets");
+    let split = ankusa_tests::wait_until(Duration::from_secs(20), || async {
+        let holders = kv.lease_holders().await.unwrap_or_default();
+        holders.len() == SHARDS as usize
+            && holders.values().any(|n| n == "dying")
+            && holders.values().any(|n| n == "taker")
+    })
+    .await;
+    assert!(split.is_ok(), "the shards were never split between the two");
+    let holders = kv.lease_holders().await.expect("lease holders");
+    let orphaned: Vec<u32> = holders
+        .iter()
+        .filter(|(_, node)| *node == "dying")
+        .map(|(shard, _)| *shard)
+        .collect();
+    let mut takes = futures::stream::select_all(
+        futures::future::join_all(
+            orphaned
+                .iter()
+                .map(|shard| watcher.subscribe(format!("$KV.ankusa_{INSTANCE}_leases.s.{shard}"))),
+        )
+        .await
+        .into_iter()
+        .map(|sub| sub.expect("subscribed")),
+    );
+    ankusa_bus::server_caught_up(&watcher)
+        .await
+        .expect("subscribed");
+    let mut attacker = RawPublisher::connect(nats.port()).await;
+    dying.kill().await.expect("kill -9");
+
+    // The first write to an orphaned shard's lease is the taker's take.
+    tokio::time::timeout(Duration::from_secs(10), takes.next())
+        .await
+        .expect("the taker takes an orphaned shard within 10 s")
+        .expect("writes");
+    let unreadable: &[u8] = b"NATS/1.0\r\nno colon on this line\r\n\r\n";
+    attacker
+        .send(&[subjects().node("taker")], &[unreadable])
+        .await;
+    let all_taken = ankusa_tests::wait_until(Duration::from_secs(15), || async {
+        taker.metric("ankusa_shards_owned").await == Some(f64::from(SHARDS))
+    })
+    .await;
+    let lost = taker.metric("ankusa_leases_lost_total").await;
+    let reconnects = taker.metric("ankusa_nats_connects_total").await;
+    assert_eq!(reconnects, Some(2.0), "the cut reconnected the taker once");
+    assert_eq!(
+        lost,
+        Some(0.0),
+        "the taker lost held leases; its log:\n{}",
+        taker.log_tail(40)
+    );
+    assert!(all_taken.is_ok(), "{}", taker.log_tail(40));
+}
+
 /// What a node watches so that it never lingers with a dead NATS connection
 /// (a connection task that panicked, say): a client that only lost its server
 /// is left alone, however long it takes to reconnect; one whose task ended is
