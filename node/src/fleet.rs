@@ -304,7 +304,9 @@ impl Fleet {
         self.writer.stop_writing(&[shard]);
         held.window.close();
         self.renew_if_due().await;
-        let release = self.kv.release_lease(shard, held.revision);
+        let release = self
+            .kv
+            .release_lease(shard, &self.config.node_id, held.revision);
         if let Err(err) = within(renewal_wait(&self.config), release).await {
             tracing::warn!(shard, error = %err, "lease release failed; it will lapse by TTL");
         }
@@ -480,7 +482,8 @@ impl Fleet {
             held.window.close();
             let _ = within(
                 renewal_wait(&self.config),
-                self.kv.release_lease(shard, held.revision),
+                self.kv
+                    .release_lease(shard, &self.config.node_id, held.revision),
             )
             .await;
         }

@@ -151,12 +151,12 @@ async fn leases_are_taken_renewed_and_released_by_revision() {
     let renewed = kv.renew_lease(3, "n1", first, ttl).await.expect("renewed");
     assert!(renewed > first, "revision {renewed} after {first}");
     assert_eq!(
-        kv.release_lease(3, first).await,
+        kv.release_lease(3, "n2", first).await,
         Err(LeaseError::Lost { shard: 3 }),
-        "a release with a stale revision"
+        "a release of another node's lease"
     );
     assert_eq!(kv.lease_holders().await.expect("holders")[&3], "n1");
-    kv.release_lease(3, renewed).await.expect("released");
+    kv.release_lease(3, "n1", renewed).await.expect("released");
     assert!(!kv.lease_holders().await.expect("holders").contains_key(&3));
     assert_eq!(
         kv.renew_lease(3, "n1", renewed, ttl).await,
@@ -219,9 +219,27 @@ async fn only_the_process_that_wrote_a_lease_takes_it_over() {
         Err(LeaseError::Taken { shard: 5, holder }) => assert_eq!(holder, "n1"),
         other => panic!("another node id through the same FleetKv: {other:?}"),
     }
-    ours.renew_lease(5, "n1", renewed, ttl)
+    let renewed_again = ours
+        .renew_lease(5, "n1", renewed, ttl)
         .await
         .expect("the taken-over lease renews");
+    // As if that renewal's ack had been lost: the release, sent with the
+    // revision before it, releases our own write; a namesake's does not.
+    assert_eq!(
+        namesake.release_lease(5, "n1", renewed).await,
+        Err(LeaseError::Lost { shard: 5 }),
+        "another process under the same node id, releasing behind our write"
+    );
+    assert_eq!(ours.lease_holders().await.expect("holders")[&5], "n1");
+    ours.release_lease(5, "n1", renewed)
+        .await
+        .expect("a release behind our own write releases it");
+    assert!(!ours
+        .lease_holders()
+        .await
+        .expect("holders")
+        .contains_key(&5));
+    assert!(renewed_again > renewed);
 }
 
 /// A lease or heartbeat write whose ack never comes (JetStream without
@@ -1332,13 +1350,14 @@ async fn a_node_takes_back_at_once_the_leases_its_late_writes_renewed() {
 }
 
 /// The same take-over, without the server's race: the node's link is
-/// blackholed (the proxy holds its bytes) until its leases lapse and its
-/// first lease take of the round has waited out its bound. On restore the
-/// held bytes reach the server in order: the renewals fail (their leases
-/// expired meanwhile), the take creates the lease, and its ack reaches a
-/// node that stopped waiting for it. The lease is then held under the
-/// node's name by a write it never heard answered; the node takes it over
-/// at once. Without the take-over its shard waits out the lease (2 s).
+/// blackholed (the proxy holds its bytes) until its leases lapse, its first
+/// lease take has waited out its bound, and the leases' expiry markers (1 s)
+/// have expired too. On restore the held bytes reach the server in order:
+/// the renewals fail (their leases expired meanwhile), the first take
+/// creates the lease on the free key, and its ack reaches a node that
+/// stopped waiting for it. The lease is then held under the node's name by
+/// a write it never heard answered; the node takes it over at once. Without
+/// the take-over its shard waits out the lease (2 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_takes_over_the_lease_its_unanswered_take_wrote() {
     let nats = NatsServer::start().await.expect("nats");
@@ -1353,6 +1372,11 @@ async fn a_node_takes_over_the_lease_its_unanswered_take_wrote() {
         .await
         .unwrap_or_else(|e| panic!("{e}; log tail:\n{}", node.log_tail(20)));
     assert_eq!(node.metric("ankusa_shards_owned").await, Some(0.0));
+    // A take waits no longer than a renewal (0.55 s here): the leases' TTL
+    // (2 s from their last renewal, 1.5 s before the lapse was seen) and their
+    // markers' (1 s) have not all run out yet. Held bytes landing before then
+    // would find a marker, fail, and leave nothing to take over.
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
     cut.restore().await.expect("restore the link");
     let (took, adopted) = served_again(&node, "the restore").await;
     assert!(

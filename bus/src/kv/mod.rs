@@ -495,13 +495,32 @@ impl FleetKv {
         Ok(adopted)
     }
 
-    /// Gives a lease up, if it is still ours.
-    pub async fn release_lease(&self, shard: u32, revision: u64) -> Result<(), LeaseError> {
-        let write = Write::purge(&self.leases_bucket, &lease_key(shard)).expect_revision(revision);
-        self.publish(write)
-            .await
-            .map(|_| ())
-            .map_err(|err| lost_or(shard, err))
+    /// Gives a lease up, if it is still ours: at `revision`, or at a later
+    /// one [written here](Self::written_here) (a renewal whose ack a
+    /// reconnect lost), which would otherwise hold the shard from its next
+    /// owner until the lease's TTL ran out.
+    pub async fn release_lease(
+        &self,
+        shard: u32,
+        node: &str,
+        revision: u64,
+    ) -> Result<(), LeaseError> {
+        let key = lease_key(shard);
+        let purge = |revision| Write::purge(&self.leases_bucket, &key).expect_revision(revision);
+        match self.publish(purge(revision)).await {
+            Ok(_) => Ok(()),
+            Err(err) if err.is_wrong_revision() => {
+                match self.leases.entry(&key).await.map_err(request_err)? {
+                    Some(entry) if self.written_here(node, &key, &entry) => self
+                        .publish(purge(entry.revision))
+                        .await
+                        .map(|_| ())
+                        .map_err(|err| lost_or(shard, err)),
+                    _ => Err(LeaseError::Lost { shard }),
+                }
+            }
+            Err(err) => Err(request_err(err).into()),
+        }
     }
 
     /// Who holds each leased shard.
