@@ -496,9 +496,8 @@ impl FleetKv {
     }
 
     /// Gives a lease up, if it is still ours: at `revision`, or at a later
-    /// one [written here](Self::written_here) (a renewal whose ack a
-    /// reconnect lost), which would otherwise hold the shard from its next
-    /// owner until the lease's TTL ran out.
+    /// one this process wrote (a renewal whose ack a reconnect lost), which
+    /// would otherwise hold the shard from its next owner until its TTL.
     pub async fn release_lease(
         &self,
         shard: u32,

@@ -243,13 +243,19 @@ impl KvWriter {
             } = &mut *dirty;
             // A request answered while its shard was being let go.
             tats.retain(|(sh, _), _| !stopped.contains(sh));
-            let ready = |sh: &u32| {
-                shard.is_none_or(|s| s == *sh) && windows.get(sh).is_none_or(ServeWindow::is_open)
-            };
-            let keys: Vec<DirtyTenant> = tats.keys().filter(|(sh, _)| ready(sh)).cloned().collect();
-            keys.into_iter()
-                .filter_map(|k| tats.remove_entry(&k))
-                .collect()
+            if shard.is_none() && windows.values().all(ServeWindow::is_open) {
+                tats.drain().collect()
+            } else {
+                let ready = |sh: &u32| {
+                    shard.is_none_or(|s| s == *sh)
+                        && windows.get(sh).is_none_or(ServeWindow::is_open)
+                };
+                let keys: Vec<DirtyTenant> =
+                    tats.keys().filter(|(sh, _)| ready(sh)).cloned().collect();
+                keys.into_iter()
+                    .filter_map(|k| tats.remove_entry(&k))
+                    .collect()
+            }
         };
         if batch.is_empty() {
             return 0;
