@@ -84,6 +84,15 @@ async fn fleet_node_as_node_user(id: &str, url: &str) -> NodeProcess {
     start_node(node_spec(id, url, "fleet", &NODE_USER_ARGS)).await
 }
 
+/// A bare NATS client of the file's edge user, to try what the edge client
+/// never does.
+async fn raw_edge_user(url: &str) -> async_nats::Client {
+    async_nats::ConnectOptions::with_user_and_password("ankusa-edge".into(), EDGE_PASSWORD.into())
+        .connect(url)
+        .await
+        .expect("the edge user connects")
+}
+
 /// An edge connected as `user`.
 async fn edge_as(url: &str, user: &str, password: &str) -> FleetStore {
     connected(options(url, |o| {
@@ -231,13 +240,7 @@ async fn the_documented_permissions_let_node_and_edge_work_and_nobody_else() {
 
     // The edge user listens on every inbox it may, and tries the node's: what
     // the node's shard loads deliver (every claim's key) must never reach it.
-    let spy = async_nats::ConnectOptions::with_user_and_password(
-        "ankusa-edge".into(),
-        EDGE_PASSWORD.into(),
-    )
-    .connect(url.as_str())
-    .await
-    .expect("the edge user connects");
+    let spy = raw_edge_user(&url).await;
     let leaked = Arc::new(AtomicUsize::new(0));
     let mut listening = Vec::new();
     for inboxes in ["_INBOX.>".to_string(), format!("{NODE_INBOX_PREFIX}.>")] {
@@ -309,13 +312,7 @@ async fn the_documented_permissions_let_node_and_edge_work_and_nobody_else() {
 
     // The edge user cannot pose as a node: its subscription to a shard subject
     // is refused and it never sees a request, while the real node answers.
-    let impostor = async_nats::ConnectOptions::with_user_and_password(
-        "ankusa-edge".into(),
-        EDGE_PASSWORD.into(),
-    )
-    .connect(url.as_str())
-    .await
-    .expect("the edge user connects");
+    let impostor = raw_edge_user(&url).await;
     let shard = ankusa_bus::shard_of("acme", SHARDS);
     let mut stolen = impostor
         .subscribe(format!("ankusa.{INSTANCE}.shard.{shard}"))
