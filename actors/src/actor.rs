@@ -7,10 +7,11 @@
 //! Only a tenant without one goes through the shard actor, which starts it for
 //! a hit or a settle, and applies a reset or an inspect to the tenant's parked
 //! state without starting it. The shard waits on a tenant only to retire it
-//! or to export its state, never to route a request, and tenants never wait on
-//! the shard, so the two cannot deadlock. The shard actor is the only one that adds or removes running tenants, and a handle
-//! casts while it holds the map's read lock, so a job handed to a tenant always
-//! lands in its mailbox before the shard's own message retiring it.
+//! or to export its state, never to route a request, and tenants never wait
+//! on the shard, so the two cannot deadlock. The shard actor is the only one
+//! that adds or removes running tenants, and a handle casts while it holds the
+//! map's read lock, so a job handed to a tenant always lands in its mailbox
+//! before the shard's own message retiring it.
 //!
 //! Memory follows live state. A tenant actor that has been quiet for
 //! [`ShardConfig::idle_after`] is retired: its state comes back to the shard,

@@ -298,6 +298,7 @@ impl Fleet {
             return;
         };
         let started = Instant::now();
+        self.renew_if_due().await;
         let _ = self.host.release(shard).await;
         self.renew_if_due().await;
         self.writer.flush_buckets(Some(shard)).await;
@@ -325,7 +326,6 @@ impl Fleet {
         }
         let started = Instant::now();
         for &shard in &shards {
-            self.renew_if_due().await;
             self.hand_back(shard).await;
         }
         tracing::info!(

@@ -242,7 +242,9 @@ impl KvWriter {
                 windows,
             } = &mut *dirty;
             // A request answered while its shard was being let go.
-            tats.retain(|(sh, _), _| !stopped.contains(sh));
+            if !stopped.is_empty() {
+                tats.retain(|(sh, _), _| !stopped.contains(sh));
+            }
             if shard.is_none() && windows.values().all(ServeWindow::is_open) {
                 tats.drain().collect()
             } else {
