@@ -68,6 +68,15 @@ impl ServeWindow {
         self.0.store(0, Ordering::Release);
     }
 
+    /// Closes this window for good and returns a new one open until this one
+    /// would have closed. What still holds this window (answers waiting on a
+    /// shard actor that is being replaced) goes silent, and only the holders
+    /// of the new one answer.
+    pub fn hand_over(&self) -> ServeWindow {
+        let until = self.0.swap(0, Ordering::AcqRel);
+        ServeWindow(Arc::new(AtomicU64::new(until)))
+    }
+
     pub fn is_open(&self) -> bool {
         monotonic_ns(Instant::now()) < self.0.load(Ordering::Acquire)
     }
@@ -977,6 +986,22 @@ fn hand_over(ctx: &ShardContext, request: Request, received: Instant) -> Pending
 mod tests {
     use super::*;
     use ankusa_actors::{HitOutcome, SettleOutcome};
+
+    #[test]
+    fn a_window_handed_over_closes_and_its_successor_keeps_the_time_left() {
+        let window = ServeWindow::closed();
+        window.extend_to(Instant::now() + Duration::from_secs(60));
+        let holder = window.clone();
+        let next = window.hand_over();
+        assert!(!holder.is_open(), "the old window still answers");
+        assert!(next.is_open());
+        assert!(next.remaining() > Duration::from_secs(59));
+        // The successor is extended and closed on its own from here.
+        window.extend_to(Instant::now() + Duration::from_secs(60));
+        next.close();
+        assert!(!next.is_open() && holder.is_open());
+        assert!(!ServeWindow::closed().hand_over().is_open());
+    }
 
     #[test]
     fn every_op_is_timed_under_its_own_name() {

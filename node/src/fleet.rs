@@ -14,15 +14,15 @@
 //! monotonic clock. The server keeps the lease at least TTL after it received
 //! the renewal, so this node stops answering before anyone else can start.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use ankusa_actors::actor::{ShardConfig, TenantFailure};
-use ankusa_actors::AnchoredClock;
+use ankusa_actors::{AnchoredClock, TenantSnapshot};
 use ankusa_bus::claimlog;
-use ankusa_bus::kv::{within, FleetKv, Heartbeat, KvWriter, LeaseError};
+use ankusa_bus::kv::{within, FleetKv, Heartbeat, KvError, KvWriter, LeaseError};
 use ankusa_bus::persist::Persistence;
 use ankusa_bus::responder::ServeWindow;
 use ankusa_bus::shard::ranges;
@@ -350,7 +350,6 @@ impl Fleet {
         let mut waiting = false;
         let mut kv_failing = false;
         let ttl = self.config.lease_ttl();
-        let renew_every = Duration::from_millis(self.config.lease_renew_ms);
         let mut taken = Vec::new();
         let free: Vec<u32> = self
             .targets()
@@ -416,17 +415,7 @@ impl Fleet {
         }
 
         let loaded_at = Instant::now();
-        let loaded = {
-            let kv = self.kv.clone();
-            let load = within(LOAD_BOUND, kv.load_shards(&taken));
-            tokio::pin!(load);
-            loop {
-                tokio::select! {
-                    loaded = &mut load => break loaded,
-                    _ = tokio::time::sleep(renew_every) => self.renew().await,
-                }
-            }
-        };
+        let loaded = self.load_renewing(&taken).await;
         let load_ms = loaded_at.elapsed().as_millis() as u64;
         let mut served = Vec::with_capacity(taken.len());
         let (mut tenants_loaded, mut claims_loaded) = (0, 0);
@@ -474,6 +463,24 @@ impl Fleet {
         waiting && !kv_failing
     }
 
+    /// Loads `shards` from KV within [`LOAD_BOUND`], renewing the held leases
+    /// meanwhile (a load may take longer than a lease).
+    async fn load_renewing(
+        &mut self,
+        shards: &[u32],
+    ) -> Result<HashMap<u32, Vec<TenantSnapshot>>, KvError> {
+        let renew_every = Duration::from_millis(self.config.lease_renew_ms);
+        let kv = self.kv.clone();
+        let load = within(LOAD_BOUND, kv.load_shards(shards));
+        tokio::pin!(load);
+        loop {
+            tokio::select! {
+                loaded = &mut load => return loaded,
+                _ = tokio::time::sleep(renew_every) => self.renew().await,
+            }
+        }
+    }
+
     /// Stops holding `shard` and releases its lease, without a hand-back (it
     /// is not being served: not yet, or its actor failed).
     async fn drop_lease(&mut self, shard: u32) {
@@ -514,20 +521,37 @@ impl Fleet {
 
     /// Restarts every shard whose actor failed, from its state in KV (claims are
     /// written there before they are answered, so none is lost).
+    ///
+    /// The reload gets a window of its own: an answer of the failed actor still
+    /// waiting for its write after the release's grace would otherwise go out
+    /// after a reload that did not see its claim, and a second hook on the same
+    /// key would be accepted too. Under the old window it goes silent instead.
     async fn restart_failed(&mut self) {
         for shard in self.host.failed() {
             self.renew_if_due().await;
-            let Some(window) = self.held.get(&shard).map(|h| h.window.clone()) else {
+            if !self.held.contains_key(&shard) {
                 continue;
-            };
+            }
             tracing::error!(shard, "shard actor failed; reloading it from KV");
             metrics::counter!("ankusa_shard_restarts_total").increment(1);
             let _ = self.host.release(shard).await;
+            let Some(held) = self.held.get_mut(&shard) else {
+                continue;
+            };
+            held.window = held.window.hand_over();
+            let window = held.window.clone();
+            self.writer.start_writing(shard, window.clone());
             self.writer.flush_buckets(Some(shard)).await;
-            let restarted = match within(LOAD_BOUND, self.kv.load_shard(shard)).await {
-                Ok(state) => self
+            let restarted = match self.load_renewing(&[shard]).await {
+                // A lease lost while loading was dropped by the renewal.
+                Ok(_) if !self.held.contains_key(&shard) => continue,
+                Ok(mut state) => self
                     .host
-                    .serve(shard, state, Some(window))
+                    .serve(
+                        shard,
+                        state.remove(&shard).unwrap_or_default(),
+                        Some(window),
+                    )
                     .await
                     .map_err(|e| e.to_string()),
                 Err(err) => Err(err.to_string()),
