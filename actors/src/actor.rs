@@ -133,6 +133,9 @@ pub enum ShardMsg {
     /// Keep a tenant's actor busy for a while.
     #[cfg(test)]
     StallTenant(String, Duration),
+    /// Hold the shard actor until told to go on.
+    #[cfg(test)]
+    Hold(tokio::sync::oneshot::Receiver<()>),
 }
 
 /// Gauges of one shard.
@@ -503,15 +506,31 @@ impl ShardHandle {
     /// applies the request to its parked state. Every job is answered on its
     /// reply port, with `Refused::Unavailable` if the shard has stopped.
     pub fn send<R: TenantRequest>(&self, job: Job<R, R::Outcome>) {
-        let Some(job) = admit(job) else { return };
-        let Err(job) = self.running.route(job) else {
-            return;
+        self.send_routed(job, false);
+    }
+
+    /// [`ShardHandle::send`], through the shard actor in any case if
+    /// `behind_shard`. Returns the tenant's name when the job went through the
+    /// shard actor because the tenant's was not running.
+    fn send_routed<R: TenantRequest>(
+        &self,
+        job: Job<R, R::Outcome>,
+        behind_shard: bool,
+    ) -> Option<Box<str>> {
+        let job = admit(job)?;
+        let (job, tenant) = if behind_shard {
+            (job, None)
+        } else {
+            let job = self.running.route(job).err()?;
+            let tenant = job.req.tenant_name().into();
+            (job, Some(tenant))
         };
         if let Err(MessagingErr::SendErr(msg)) = self.actor.cast(R::to_shard(job)) {
             if let Some(job) = R::from_shard(msg) {
                 job.refuse(Refused::Unavailable);
             }
         }
+        tenant
     }
 
     /// Hands `req` to its tenant now, as [`ShardHandle::send`] does, and gives
@@ -527,6 +546,43 @@ impl ShardHandle {
             deadline,
             reply: reply.into(),
         });
+        answer
+    }
+}
+
+/// Hands several requests to their tenants so that each tenant applies its
+/// own in the order given (a batch's). A request for a tenant whose actor is
+/// not running goes through the shard actor, which may start that actor
+/// before it forwards the request: a later request of the same tenant sent
+/// straight to the new actor would overtake it, so it follows through the
+/// shard actor too.
+#[derive(Debug, Default)]
+pub struct InOrder {
+    through_shard: Vec<Box<str>>,
+}
+
+impl InOrder {
+    /// [`ShardHandle::ask`], behind the earlier requests of the same tenant
+    /// asked through this sequence.
+    pub fn ask<R: TenantRequest>(
+        &mut self,
+        shard: &ShardHandle,
+        req: R,
+        deadline: Option<Instant>,
+    ) -> tokio::sync::oneshot::Receiver<Reply<R::Outcome>> {
+        let behind_shard = self
+            .through_shard
+            .iter()
+            .any(|tenant| **tenant == *req.tenant_name());
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let job = Job {
+            req,
+            deadline,
+            reply: reply.into(),
+        };
+        if let Some(tenant) = shard.send_routed(job, behind_shard) {
+            self.through_shard.push(tenant);
+        }
         answer
     }
 }
@@ -804,6 +860,10 @@ impl Actor for ShardActor {
                     let _ = actor.cast(TenantMsg::Stall(pause));
                 }
             }
+            #[cfg(test)]
+            ShardMsg::Hold(go_on) => {
+                let _ = go_on.await;
+            }
         }
         Ok(())
     }
@@ -931,6 +991,43 @@ mod tests {
             ..ShardConfig::new(Arc::new(ManualClock::new(1_000_000)))
         };
         spawn_shard(config, Vec::new(), None).await.expect("spawns")
+    }
+
+    /// Two requests of a batch for a tenant whose actor the shard starts
+    /// between them are applied in the batch's order.
+    #[tokio::test]
+    async fn requests_in_order_follow_an_earlier_one_through_the_shard() {
+        let shard = shard_with(TenantFailure::RestartEmpty).await;
+        let by = |hook: &str| {
+            let mut req = hit("k");
+            if let Some(claim) = req.claim.as_mut() {
+                claim.hook_id = hook.into();
+            }
+            req
+        };
+        let (go_on_first, first) = tokio::sync::oneshot::channel();
+        let (go_on_second, second) = tokio::sync::oneshot::channel();
+        shard.actor().cast(ShardMsg::Hold(first)).expect("cast");
+        // The tenant has no actor yet: both wait on the shard actor's mailbox,
+        // and the first starts the tenant's actor.
+        let starting = shard.ask(hit("warm"), None);
+        shard.actor().cast(ShardMsg::Hold(second)).expect("cast");
+        let mut order = InOrder::default();
+        let earlier = order.ask(&shard, by("h1"), None);
+        let _ = go_on_first.send(());
+        assert!(matches!(starting.await, Ok(Ok(_))), "the tenant started");
+        // Its actor runs now, while the earlier request still waits on the shard.
+        let later = order.ask(&shard, by("h2"), None);
+        let _ = go_on_second.send(());
+        let outcome = |answer: Result<Reply<HitOutcome>, _>| match answer {
+            Ok(Ok(applied)) => Some(applied.outcome),
+            _ => None,
+        };
+        assert_eq!(outcome(earlier.await), Some(HitOutcome::Ok));
+        assert!(
+            matches!(outcome(later.await), Some(HitOutcome::Pending { .. })),
+            "the later request overtook the earlier one"
+        );
     }
 
     #[tokio::test]

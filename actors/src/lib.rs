@@ -16,7 +16,7 @@ pub mod tenant;
 pub mod types;
 
 pub use actor::{
-    spawn_shard, Refused, ShardConfig, ShardHandle, ShardMsg, ShardStats, TenantFailure,
+    spawn_shard, InOrder, Refused, ShardConfig, ShardHandle, ShardMsg, ShardStats, TenantFailure,
     TenantRequest, SWEEP_STEP_BUCKETS,
 };
 pub use claims::ClaimRecord;

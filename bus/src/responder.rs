@@ -29,7 +29,7 @@ use std::sync::OnceLock;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use ankusa_actors::actor::{Reply as ActorReply, ShardHandle};
+use ankusa_actors::actor::{InOrder, Reply as ActorReply, ShardHandle};
 use ankusa_actors::{
     Changes, HitOutcome, Refused, ResetRequest, SettleOutcome, TenantRequest, TenantView,
 };
@@ -72,7 +72,7 @@ impl ServeWindow {
     /// would have closed. What still holds this window (answers waiting on a
     /// shard actor that is being replaced) goes silent, and only the holders
     /// of the new one answer.
-    pub fn hand_over(&self) -> ServeWindow {
+    pub fn close_into_successor(&self) -> ServeWindow {
         let until = self.0.swap(0, Ordering::AcqRel);
         ServeWindow(Arc::new(AtomicU64::new(until)))
     }
@@ -184,7 +184,8 @@ impl ShardResponder {
         Ok(Self { running, entered })
     }
 
-    /// Stops taking requests and waits (at most `grace`) for those in flight.
+    /// Stops taking requests, answers those already delivered and waits (at
+    /// most `grace` in all) for the answers in flight.
     pub async fn stop(self, grace: Duration) {
         if let Some((table, shard)) = &self.entered {
             table.leave(*shard);
@@ -257,29 +258,23 @@ impl Drop for InFlightGuard {
 async fn run(
     client: async_nats::Client,
     ctx: ShardContext,
-    mut subscription: async_nats::Subscriber,
-    mut stopped: watch::Receiver<bool>,
+    subscription: async_nats::Subscriber,
+    stopped: watch::Receiver<bool>,
     in_flight: Arc<InFlight>,
 ) {
+    let mut requests = Requests::new(subscription, stopped);
     let answering = Arc::new(Answering {
         client: client.clone(),
         window: ctx.window.clone(),
         node: ctx.routing.as_ref().map(|r| r.node.clone()),
         metrics: RequestMetrics::new(),
     });
-    loop {
-        let message = tokio::select! {
-            message = subscription.next() => message,
-            _ = stopped.changed() => None,
-        };
-        let Some(message) = message else { break };
+    while let Some(message) = requests.next().await {
         if !window_open(&ctx.window) {
             metrics::counter!("ankusa_requests_dropped_total", "why" => "lease").increment(1);
             continue;
         }
-        let Some(reply_to) = message.reply.clone() else {
-            metrics::counter!("ankusa_requests_refused_total", "code" => "no_reply_subject")
-                .increment(1);
+        let Some(reply_to) = reply_subject(&message) else {
             continue;
         };
         let received = Instant::now();
@@ -314,9 +309,52 @@ async fn run(
             drop(guard);
         });
     }
-    let _ = subscription.unsubscribe().await;
+    requests.close().await;
     in_flight.wait_idle().await;
     let _ = client.flush().await;
+}
+
+/// A responder's incoming requests: the subscription's until the responder
+/// is stopped, then those it had already delivered. Unsubscribing ends the
+/// stream behind them, so a stop answers every request that reached the node
+/// (its callers would otherwise wait out their budgets), and a shard that is
+/// handed back gets no request after its release.
+struct Requests {
+    subscription: async_nats::Subscriber,
+    stopped: watch::Receiver<bool>,
+    draining: bool,
+}
+
+impl Requests {
+    fn new(subscription: async_nats::Subscriber, stopped: watch::Receiver<bool>) -> Self {
+        Self {
+            subscription,
+            stopped,
+            draining: false,
+        }
+    }
+
+    async fn next(&mut self) -> Option<async_nats::Message> {
+        if !self.draining {
+            tokio::select! {
+                message = self.subscription.next() => return message,
+                _ = self.stopped.changed() => {}
+            }
+            self.draining = true;
+            if self.subscription.unsubscribe().await.is_err() {
+                // The connection is gone: nothing delivered can be answered.
+                return None;
+            }
+        }
+        self.subscription.next().await
+    }
+
+    /// Unsubscribes, if the stream ended before a stop.
+    async fn close(mut self) {
+        if !self.draining {
+            let _ = self.subscription.unsubscribe().await;
+        }
+    }
 }
 
 /// What a request asked: one answer, or a batch's, in order.
@@ -334,15 +372,18 @@ fn ask_shard(ctx: &ShardContext, request: Request, received: Instant) -> Asked<P
             timeout_ms,
             ..
         } => match admit(timeout_ms, Request::validate_batch(&items)) {
-            Ok(()) => Asked::Batch(
-                items
-                    .into_iter()
-                    .map(|item| dispatch(ctx, item, received))
-                    .collect(),
-            ),
+            Ok(()) => {
+                let mut order = InOrder::default();
+                Asked::Batch(
+                    items
+                        .into_iter()
+                        .map(|item| dispatch(ctx, item, received, &mut order))
+                        .collect(),
+                )
+            }
             Err(body) => Asked::One(Pending::Now(body)),
         },
-        lone => Asked::One(dispatch(ctx, lone, received)),
+        lone => Asked::One(dispatch(ctx, lone, received, &mut InOrder::default())),
     }
 }
 
@@ -364,7 +405,8 @@ impl NodeResponder {
         Ok(Self { running })
     }
 
-    /// Stops taking requests and waits (at most `grace`) for those in flight.
+    /// Stops taking requests, answers those already delivered and waits (at
+    /// most `grace` in all) for the answers in flight.
     pub async fn stop(self, grace: Duration) {
         self.running.stop(grace).await;
     }
@@ -402,9 +444,10 @@ impl ShardHold {
 async fn run_node(
     client: async_nats::Client,
     table: ShardTable,
-    mut subscription: async_nats::Subscriber,
-    mut stopped: watch::Receiver<bool>,
+    subscription: async_nats::Subscriber,
+    stopped: watch::Receiver<bool>,
 ) {
+    let mut requests = Requests::new(subscription, stopped);
     let in_flight = Arc::new(InFlight::default());
     let answering = Arc::new(Answering {
         client: client.clone(),
@@ -412,15 +455,8 @@ async fn run_node(
         node: None,
         metrics: RequestMetrics::new(),
     });
-    loop {
-        let message = tokio::select! {
-            message = subscription.next() => message,
-            _ = stopped.changed() => None,
-        };
-        let Some(message) = message else { break };
-        let Some(reply_to) = message.reply.clone() else {
-            metrics::counter!("ankusa_requests_refused_total", "code" => "no_reply_subject")
-                .increment(1);
+    while let Some(message) = requests.next().await {
+        let Some(reply_to) = reply_subject(&message) else {
             continue;
         };
         let received = Instant::now();
@@ -455,7 +491,7 @@ async fn run_node(
             drop(guard);
         });
     }
-    let _ = subscription.unsubscribe().await;
+    requests.close().await;
     in_flight.wait_idle().await;
     let _ = client.flush().await;
 }
@@ -478,9 +514,10 @@ fn ask_node(
         }) => match admit(timeout_ms, Request::validate_batch(&items)) {
             Ok(()) => {
                 let served = table.read();
+                let mut order = InOrder::default();
                 let items = items
                     .into_iter()
-                    .map(|item| route(&served, table.0.shards, item, received))
+                    .map(|item| route(&served, table.0.shards, item, received, &mut order))
                     .collect();
                 (Timed::NodeBatch, Asked::Batch(items))
             }
@@ -488,7 +525,13 @@ fn ask_node(
         },
         Ok(lone) => (
             Timed::Op(lone.op.index()),
-            Asked::One(route(&table.read(), table.0.shards, lone, received)),
+            Asked::One(route(
+                &table.read(),
+                table.0.shards,
+                lone,
+                received,
+                &mut InOrder::default(),
+            )),
         ),
     }
 }
@@ -541,6 +584,7 @@ fn route(
     shards: u32,
     request: Request,
     received: Instant,
+    order: &mut InOrder,
 ) -> (Pending, ShardHold) {
     let unheld = |body| (Pending::Now(body), ShardHold::none());
     if let Err(body) = admit(request.timeout_ms, request.validate()) {
@@ -572,7 +616,27 @@ fn route(
         window: routed.ctx.window.clone(),
         _in_flight: Some(routed.in_flight.enter()),
     };
-    (hand_over(&routed.ctx, request, received), hold)
+    (hand_over(&routed.ctx, request, received, order), hold)
+}
+
+/// The `code`s of `ankusa_requests_refused_total` for a request that gets no
+/// answer at all, beside the [`ErrorCode`]s of those answered with an error.
+pub const NO_REPLY_SUBJECT: &str = "no_reply_subject";
+pub const RESERVED_REPLY_SUBJECT: &str = "reserved_reply_subject";
+
+/// Where a request's answer goes: its reply subject, unless it has none or it
+/// is a `$` subject (JetStream's API, the KV buckets, the system account),
+/// which are never a caller's inbox. The node may publish into its own
+/// buckets, so answering there would let an edge write into the fleet's
+/// leases or state. Either is counted, and the request is not carried out.
+fn reply_subject(message: &async_nats::Message) -> Option<async_nats::Subject> {
+    let code = match &message.reply {
+        Some(reply) if !reply.starts_with('$') => return Some(reply.clone()),
+        Some(_) => RESERVED_REPLY_SUBJECT,
+        None => NO_REPLY_SUBJECT,
+    };
+    metrics::counter!("ankusa_requests_refused_total", "code" => code).increment(1);
+    None
 }
 
 fn window_open(window: &Option<ServeWindow>) -> bool {
@@ -930,7 +994,12 @@ fn admit(timeout_ms: u64, rules: Result<(), ErrorReply>) -> Result<(), ReplyBody
 
 /// Hands one request on the shard's subject to the actor now, once admitted
 /// and found to be the shard's.
-fn dispatch(ctx: &ShardContext, request: Request, received: Instant) -> Pending {
+fn dispatch(
+    ctx: &ShardContext,
+    request: Request,
+    received: Instant,
+    order: &mut InOrder,
+) -> Pending {
     if let Err(body) = admit(request.timeout_ms, request.validate()) {
         return Pending::Now(body);
     }
@@ -946,11 +1015,16 @@ fn dispatch(ctx: &ShardContext, request: Request, received: Instant) -> Pending 
             )));
         }
     }
-    hand_over(ctx, request, received)
+    hand_over(ctx, request, received, order)
 }
 
 /// Hands an admitted request for the shard of `ctx` to its tenant.
-fn hand_over(ctx: &ShardContext, request: Request, received: Instant) -> Pending {
+fn hand_over(
+    ctx: &ShardContext,
+    request: Request,
+    received: Instant,
+    order: &mut InOrder,
+) -> Pending {
     let deadline = Some(received + Duration::from_millis(request.timeout_ms));
     let place = |tenant: &str| Place {
         persistence: ctx.persistence.clone(),
@@ -960,19 +1034,22 @@ fn hand_over(ctx: &ShardContext, request: Request, received: Instant) -> Pending
     match request.op {
         Op::Hit(req) => {
             let place = place(req.tenant_name());
-            Pending::Hit(ctx.actors.ask(req, deadline), place)
+            Pending::Hit(order.ask(&ctx.actors, req, deadline), place)
         }
         Op::Settle(req) => {
             let place = place(req.tenant_name());
-            Pending::Settle(ctx.actors.ask(req, deadline), place)
+            Pending::Settle(order.ask(&ctx.actors, req, deadline), place)
         }
         Op::Reset { tenant } => {
             let place = place(&tenant);
-            Pending::Reset(ctx.actors.ask(ResetRequest { tenant }, deadline), place)
+            Pending::Reset(
+                order.ask(&ctx.actors, ResetRequest { tenant }, deadline),
+                place,
+            )
         }
         Op::Inspect(req) => {
             let place = place(&req.tenant);
-            Pending::Inspect(ctx.actors.ask(req, deadline), place)
+            Pending::Inspect(order.ask(&ctx.actors, req, deadline), place)
         }
         // Admitted requests hold no batch inside a batch.
         Op::Batch(_) => Pending::Now(ReplyBody::Error(ErrorReply::new(
@@ -988,11 +1065,11 @@ mod tests {
     use ankusa_actors::{HitOutcome, SettleOutcome};
 
     #[test]
-    fn a_window_handed_over_closes_and_its_successor_keeps_the_time_left() {
+    fn a_window_closed_into_its_successor_hands_it_the_time_left() {
         let window = ServeWindow::closed();
         window.extend_to(Instant::now() + Duration::from_secs(60));
         let holder = window.clone();
-        let next = window.hand_over();
+        let next = window.close_into_successor();
         assert!(!holder.is_open(), "the old window still answers");
         assert!(next.is_open());
         assert!(next.remaining() > Duration::from_secs(59));
@@ -1000,7 +1077,7 @@ mod tests {
         window.extend_to(Instant::now() + Duration::from_secs(60));
         next.close();
         assert!(!next.is_open() && holder.is_open());
-        assert!(!ServeWindow::closed().hand_over().is_open());
+        assert!(!ServeWindow::closed().close_into_successor().is_open());
     }
 
     #[test]

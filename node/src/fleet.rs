@@ -299,7 +299,7 @@ impl Fleet {
         };
         let started = Instant::now();
         self.renew_if_due().await;
-        let _ = self.host.release(shard).await;
+        self.host.release(shard).await;
         self.renew_if_due().await;
         self.writer.flush_buckets(Some(shard)).await;
         self.writer.stop_writing(&[shard]);
@@ -534,11 +534,11 @@ impl Fleet {
             }
             tracing::error!(shard, "shard actor failed; reloading it from KV");
             metrics::counter!("ankusa_shard_restarts_total").increment(1);
-            let _ = self.host.release(shard).await;
+            self.host.release(shard).await;
             let Some(held) = self.held.get_mut(&shard) else {
                 continue;
             };
-            held.window = held.window.hand_over();
+            held.window = held.window.close_into_successor();
             let window = held.window.clone();
             self.writer.start_writing(shard, window.clone());
             self.writer.flush_buckets(Some(shard)).await;

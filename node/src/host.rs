@@ -2,9 +2,9 @@
 //! tenants and a `ShardResponder` answering on its subject.
 //!
 //! [`ShardHost::serve`] starts a shard from the state it is given (loaded from KV,
-//! or empty); [`ShardHost::release`] stops answering first, then waits for the
-//! answers in flight, then hands the shard's state back, so a handoff never
-//! drops an accepted request.
+//! or empty); [`ShardHost::release`] stops taking requests first, then answers
+//! those already delivered and waits for the answers in flight, then stops the
+//! shard's actors, so a handoff never drops an accepted request.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -50,8 +50,6 @@ pub struct ShardHost {
 
 /// How long a releasing shard waits for its in-flight answers.
 const RELEASE_GRACE: Duration = Duration::from_secs(2);
-/// How long an export of a shard's state may take.
-const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl ShardHost {
     pub fn new(
@@ -161,21 +159,17 @@ impl ShardHost {
         }
     }
 
-    /// Stops serving `shard` and returns its state (`None` if it was not served).
-    pub async fn release(&mut self, shard: u32) -> Option<Vec<TenantSnapshot>> {
-        let served = self.served.remove(&shard)?;
+    /// Stops serving `shard`: its responder first (answering what it was
+    /// sent, for at most [`RELEASE_GRACE`]), then its actors. Its state needs
+    /// no handing back: every answered change is in KV, or goes with the
+    /// next bucket flush, and standalone mode keeps nothing.
+    pub async fn release(&mut self, shard: u32) {
+        let Some(served) = self.served.remove(&shard) else {
+            return;
+        };
         metrics::gauge!("ankusa_shards_owned").set(self.served.len() as f64);
         served.responder.stop(RELEASE_GRACE).await;
-        let state = match served
-            .actor
-            .call(ShardMsg::Export, Some(EXPORT_TIMEOUT))
-            .await
-        {
-            Ok(CallResult::Success(state)) => state,
-            _ => Vec::new(),
-        };
         served.actor.stop(None);
-        Some(state)
     }
 
     /// Stops serving `shards`, whose leases lapsed, all at once, keeping
@@ -200,7 +194,7 @@ impl ShardHost {
     /// mode keeps nothing; fleet mode hands shards back one by one instead).
     pub async fn release_all(&mut self) {
         for shard in self.serving() {
-            let _ = self.release(shard).await;
+            self.release(shard).await;
         }
         if let Some(responder) = self.node_responder.take() {
             responder.stop(RELEASE_GRACE).await;

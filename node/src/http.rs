@@ -11,6 +11,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use ankusa_bus::protocol::ErrorCode;
+use ankusa_bus::responder::{NO_REPLY_SUBJECT, RESERVED_REPLY_SUBJECT};
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
@@ -192,7 +193,9 @@ pub fn describe_metrics() {
     for code in ErrorCode::ALL {
         metrics::counter!("ankusa_requests_refused_total", "code" => code.to_string()).increment(0);
     }
-    metrics::counter!("ankusa_requests_refused_total", "code" => "no_reply_subject").increment(0);
+    for code in [NO_REPLY_SUBJECT, RESERVED_REPLY_SUBJECT] {
+        metrics::counter!("ankusa_requests_refused_total", "code" => code).increment(0);
+    }
 }
 
 #[derive(Clone)]

@@ -9,7 +9,8 @@
 //!   rights on the shard subjects never gets an answer; an edge cannot pose as a
 //!   node or write the instance's KV; an edge whose rights predate node
 //!   batches (shard subjects only) turns them off when the server refuses one,
-//!   and its calls are answered again; an edge user limited to a private inbox
+//!   and its calls are answered again; an edge cannot have the node write a
+//!   bucket by naming it as a request's reply subject; an edge user limited to a private inbox
 //!   prefix is answered there, and only there; the node's JetStream answers
 //!   (a shard load carries every claim) come to an inbox no edge may read;
 //! - token and nkey authentication;
@@ -27,7 +28,7 @@ use ankusa_tests::permissions::{
     permissions_conf, violations, EDGE_PASSWORD, NODE_INBOX_PREFIX, NODE_PASSWORD, NODE_USER_ARGS,
 };
 use ankusa_tests::requests::{hit, round_trip};
-use ankusa_tests::{connected_edge, NatsServer, NodeProcess, NodeSpec, ServerConfig};
+use ankusa_tests::{connected_edge, wait_until, NatsServer, NodeProcess, NodeSpec, ServerConfig};
 use futures::StreamExt;
 
 const SHARDS: u32 = 16;
@@ -333,7 +334,52 @@ async fn the_documented_permissions_let_node_and_edge_work_and_nobody_else() {
         )
         .await
         .expect("publish is sent (the server drops it)");
+    // Nor may it have the node write there for it, naming a bucket's key as
+    // the reply subject of a request: the node answers no `$` subject.
+    let forged_key = format!("c.{shard}.forged-by-reply");
+    for (subject, reply) in [
+        (
+            format!("ankusa.{INSTANCE}.shard.{shard}"),
+            format!("$KV.ankusa_{INSTANCE}_state.{forged_key}"),
+        ),
+        (
+            format!("ankusa.{INSTANCE}.node.secure"),
+            format!("$KV.ankusa_{INSTANCE}_leases.s.{shard}"),
+        ),
+    ] {
+        impostor
+            .publish_with_reply(subject, reply, "not a request".into())
+            .await
+            .expect("publish is sent");
+    }
     impostor.flush().await.expect("flush");
+    let reserved = "ankusa_requests_refused_total{code=\"reserved_reply_subject\"}";
+    let _ = wait_until(Duration::from_secs(5), || async {
+        node.metric(reserved).await.unwrap_or(0.0) >= 2.0
+    })
+    .await;
+    assert_eq!(
+        node.metric(reserved).await,
+        Some(2.0),
+        "requests answering into a bucket were not refused"
+    );
+    let as_node = async_nats::ConnectOptions::with_user_and_password(
+        "ankusa-node".into(),
+        NODE_PASSWORD.into(),
+    )
+    .custom_inbox_prefix(NODE_INBOX_PREFIX)
+    .connect(&url)
+    .await
+    .expect("the node user connects");
+    let state = async_nats::jetstream::new(as_node)
+        .get_key_value(format!("ankusa_{INSTANCE}_state"))
+        .await
+        .expect("the state bucket opens");
+    assert_eq!(
+        state.get(&forged_key).await.expect("a read of the state"),
+        None,
+        "a reply was written into the state bucket"
+    );
     assert_eq!(
         edge.hit(hit("acme", "evt-after-impostor", "h"), T).await,
         Ok(HitOutcome::Ok)
