@@ -160,7 +160,7 @@ impl ShardHost {
     }
 
     /// Stops serving `shard`: its responder first (answering what it was
-    /// sent, for at most [`RELEASE_GRACE`]), then its actors. Its state needs
+    /// sent, for at most a grace of 2 s), then its actors. Its state needs
     /// no handing back: every answered change is in KV, or goes with the
     /// next bucket flush, and standalone mode keeps nothing.
     pub async fn release(&mut self, shard: u32) {
