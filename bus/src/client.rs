@@ -219,6 +219,9 @@ const TIMER_TICK: Duration = Duration::from_millis(1);
 const MAX_RETRY: Duration = Duration::from_millis(50);
 /// The least budget a retry is sent with.
 const RETRY_ROUND_TRIP: Duration = Duration::from_millis(10);
+/// The longest a call waits, whatever it is given: a year, far from the end
+/// of `Instant`'s range, which `Duration::MAX` ("no limit") would overflow.
+const LONGEST_CALL: Duration = Duration::from_secs(365 * 24 * 3600);
 
 impl FleetStore {
     /// Builds the client. Returns at once: NATS is reached in the background, and
@@ -306,22 +309,23 @@ impl FleetStore {
     /// Sends `op` to its tenant's shard and waits for its reply body, all
     /// within `timeout`.
     async fn call(&self, shard: u32, op: Op, timeout: Duration) -> Result<ReplyBody, StoreError> {
-        let deadline = Instant::now() + timeout;
-        let shard = shard as usize;
-        let batchable = self.inner.batching && matches!(op, Op::Hit(_) | Op::Settle(_));
-        let work = async {
-            if batchable {
-                self.inner.clone().call_batched(shard, op, deadline).await
-            } else {
-                self.inner.send(shard, op, deadline).await
-            }
-        };
         // The timer fires on a millisecond tick at or after the instant it is
         // given, its driver sleeps in whole milliseconds, and the thread it
         // wakes needs a moment more: aim two ticks early so that the answer is
         // out by the deadline, not just after it (one tick early, half the calls
-        // of 10 ms answered at 10.5 ms).
-        let alarm = deadline - (2 * TIMER_TICK).min(timeout / 5);
+        // of 10 ms answered at 10.5 ms). The budget sent ends there too: the
+        // node is told how long this edge really waits.
+        let limited = timeout.min(LONGEST_CALL);
+        let alarm = Instant::now() + limited - (2 * TIMER_TICK).min(limited / 5);
+        let shard = shard as usize;
+        let batchable = self.inner.batching && matches!(op, Op::Hit(_) | Op::Settle(_));
+        let work = async {
+            if batchable {
+                self.inner.clone().call_batched(shard, op, alarm).await
+            } else {
+                self.inner.send(shard, op, alarm).await
+            }
+        };
         match tokio::time::timeout_at(alarm, work).await {
             Ok(Err(StoreError::Timeout(_))) | Err(_) => Err(StoreError::Timeout(timeout)),
             Ok(result) => result,
@@ -363,6 +367,11 @@ fn budget_ms(deadline: Instant) -> u64 {
 impl Inner {
     /// One request on the wire, retried while no node serves the shard.
     async fn send(&self, shard: usize, op: Op, deadline: Instant) -> Result<ReplyBody, StoreError> {
+        if budget_ms(deadline) == 0 {
+            // A budget of 0 would be refused as expired (§5.1): the caller's
+            // timeout, told here.
+            return Err(StoreError::Timeout(Duration::ZERO));
+        }
         let encode = || Request::encode_op(budget_ms(deadline), &op);
         self.send_request(shard, deadline, encode(), encode).await
     }
@@ -414,7 +423,13 @@ impl Inner {
             return Err(StoreError::Disconnected);
         }
         let budget = deadline.saturating_duration_since(Instant::now());
-        let waiting = self.inbox.request(subject.clone(), None, payload).await?;
+        // The publish is bounded too: while the connection's write buffer is
+        // full, or it reconnects, async-nats holds it, and a batch has no
+        // caller's timer above it to end the wait.
+        let waiting =
+            tokio::time::timeout_at(deadline, self.inbox.request(subject.clone(), None, payload))
+                .await
+                .map_err(|_| StoreError::Timeout(budget))??;
         let message = tokio::time::timeout_at(deadline, waiting.reply())
             .await
             .map_err(|_| StoreError::Timeout(budget))??;
@@ -472,6 +487,9 @@ impl Inner {
 
     /// The lane a call for `shard` queues on.
     fn route(&self, shard: usize) -> Route {
+        // The owner is read under the lanes' lock: a lane dropped because its
+        // node lost its last shard meanwhile is then never put back.
+        let mut lanes = lock(&self.node_lanes);
         let node = lock(&self.owners[shard])
             .clone()
             .filter(|_| self.node_batches());
@@ -481,7 +499,7 @@ impl Inner {
                 node: None,
             };
         };
-        lock(&self.node_lanes)
+        lanes
             .entry(node.clone())
             .or_insert_with(|| Route {
                 lane: LaneRef::default(),
@@ -501,6 +519,10 @@ impl Inner {
         op: Op,
         deadline: Instant,
     ) -> Result<ReplyBody, StoreError> {
+        if self.client.connection_state() != State::Connected {
+            // Known at once, not after the calls in flight on the lane.
+            return Err(StoreError::Disconnected);
+        }
         let route = self.route(shard);
         // Either the call takes the idle lane or it waits for its batch, which
         // leaves at once if this call fills it and there is room.
@@ -575,10 +597,20 @@ impl Inner {
 
     /// Sends `batch` to `node`'s subject, or to its first call's shard subject
     /// when the node is not known (every call is then for that shard).
-    async fn send_batch(self: &Arc<Self>, node: Option<&NodeTarget>, mut batch: Vec<Queued>) {
+    async fn send_batch(self: &Arc<Self>, node: Option<&NodeTarget>, batch: Vec<Queued>) {
         if node.is_some() && !self.node_batches() {
             // Node subjects were refused since this batch queued for one.
             batch.into_iter().for_each(|q| self.resend(q));
+            return;
+        }
+        // A call with less than a millisecond left would go with a budget of
+        // 0, which the node refuses as expired: its timeout, told here.
+        let (mut batch, expired): (Vec<Queued>, Vec<Queued>) =
+            batch.into_iter().partition(|q| budget_ms(q.deadline) > 0);
+        for q in expired {
+            let _ = q.reply.send(Err(StoreError::Timeout(Duration::ZERO)));
+        }
+        if batch.is_empty() {
             return;
         }
         if batch.len() == 1 {
@@ -662,8 +694,12 @@ impl Inner {
         }
     }
 
-    /// Sends a call that was not applied again, alone to its shard's subject.
+    /// Sends a call that was not applied again, alone to its shard's subject,
+    /// unless its caller has gone.
     fn resend(self: &Arc<Self>, q: Queued) {
+        if q.reply.is_closed() {
+            return;
+        }
         let inner = self.clone();
         tokio::spawn(async move {
             let result = inner.send(q.shard, q.op, q.deadline).await;

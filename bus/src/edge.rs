@@ -17,6 +17,9 @@
 //!    cannot make the call late (the guard is a tokio timer: call the edge from
 //!    within a tokio runtime). On an outage error (`StoreError::is_outage`) a
 //!    hit or reset is answered locally; any other error is returned as is.
+//!    Every outage counts against the breaker but `overloaded`: that node
+//!    answered, shedding one hot tenant, and the edge's other tenants keep the
+//!    fleet.
 //!
 //! # Settles are never degraded into local commits
 //!
@@ -421,7 +424,11 @@ impl<S: Store> Edge<S> {
             }
             Err(err) => match LocalReason::for_error(&err) {
                 Some(reason) => {
-                    permit.record(false, self.mono.now());
+                    // A node shedding one hot tenant's requests answered: the
+                    // fleet is up for this edge's other tenants, which a breaker
+                    // opened by that one tenant would send local too.
+                    let shed = matches!(&err, StoreError::Refused(reply) if reply.code == ErrorCode::Overloaded);
+                    permit.record(shed, self.mono.now());
                     Fleet::Out(reason, Some(err))
                 }
                 None => {

@@ -36,8 +36,12 @@
 //!
 //! Each shard keeps at most `ceil(max_tenants / shards)` tenants. Every
 //! `sweep_every` operations on a shard, that shard drops expired claims and
-//! tenants that hold nothing (full buckets, no live claim); [`LocalStore::sweep`]
-//! does every shard at once for a periodic tick. A new tenant on a full shard
+//! tenants that hold nothing (full buckets, no live claim), a few thousand
+//! places of each tenant's claim table at a time, so that the answer that pays
+//! for it stays quick; [`LocalStore::sweep`] does every shard whole at once for
+//! a periodic tick. Live claims are kept until they expire, however many: the
+//! tenant count bounds the buckets, and an outage's hooks times their TTL
+//! bound the claims. A new tenant on a full shard
 //! first drops empty tenants; if that leaves less room than an eighth of the
 //! shard, the least recently used tenants are evicted to make that room. Evicting a tenant can only cause extra admissions
 //! (fresh buckets, forgotten claims), never a `Duplicate`.
@@ -99,6 +103,12 @@ struct Shard {
     tenants: HashMap<Box<str>, Entry>,
     ops: u32,
 }
+
+/// Places of a tenant's claim table that one sweep on the answer path looks
+/// at: a tenant holding millions of claims (a long outage, long TTLs) is swept
+/// over many ticks, each holding the shard's lock briefly, rather than in one
+/// pass of tens of milliseconds that the answers behind it would wait out.
+const SWEEP_STEP: usize = 4096;
 
 /// This process's own tenant state; see the module doc.
 pub struct LocalStore {
@@ -250,7 +260,8 @@ impl LocalStore {
             .is_some_and(|e| by(e.hook_id()))
     }
 
-    /// Sweeps every shard now (for a periodic tick); returns the claims dropped.
+    /// Sweeps every shard now, each claim table whole (for a periodic tick
+    /// off the answer path); returns the claims dropped.
     pub fn sweep(&self) -> usize {
         let now = self.clock.now_us();
         self.shards
@@ -258,7 +269,7 @@ impl LocalStore {
             .map(|shard| {
                 let mut shard = recover(shard.lock());
                 shard.ops = 0;
-                self.sweep_shard(&mut shard, now)
+                self.sweep_shard(&mut shard, now, None)
             })
             .sum()
     }
@@ -291,16 +302,28 @@ impl LocalStore {
         shard.ops += 1;
         if shard.ops >= self.sweep_every {
             shard.ops = 0;
-            self.sweep_shard(shard, now);
+            self.sweep_shard(shard, now, Some(SWEEP_STEP));
         }
     }
 
-    fn sweep_shard(&self, shard: &mut Shard, now: u64) -> usize {
+    /// Drops expired claims among the next `buckets` places of each tenant's
+    /// claim table (from where its last sweep stopped), or among all of them
+    /// (`None`), and the tenants left holding nothing.
+    fn sweep_shard(&self, shard: &mut Shard, now: u64, buckets: Option<usize>) -> usize {
         let mut claims = 0;
         let before = shard.tenants.len();
         shard.tenants.retain(|_, entry| {
-            claims += entry.state.sweep(now);
-            !entry.state.is_empty(now)
+            let (swept, finished) = match buckets {
+                Some(buckets) => {
+                    let step = entry.state.sweep_step(now, buckets);
+                    (step.swept, step.finished)
+                }
+                None => (entry.state.sweep(now), true),
+            };
+            claims += swept;
+            // Only a finished pass asks whether anything is left: the question
+            // walks the claims up to the first live one.
+            !(finished && entry.state.is_empty(now))
         });
         let dropped = before - shard.tenants.len();
         if shard.tenants.capacity() > 4 * shard.tenants.len().max(16) {
@@ -317,7 +340,7 @@ impl LocalStore {
         if shard.tenants.len() < self.per_shard {
             return;
         }
-        self.sweep_shard(shard, now);
+        self.sweep_shard(shard, now, Some(SWEEP_STEP));
         // Room for an eighth of the shard at once, so that a stream of new
         // tenants pays for these scans once per eighth rather than on every
         // insert (a sweep that freed a few would otherwise come again at once).
@@ -485,6 +508,53 @@ mod tests {
         clock.advance_us(200_000);
         assert_eq!(local.hit(&hit("d", None)), Ok(HitOutcome::Ok));
         assert_eq!(local.tenants(), 1);
+    }
+
+    #[test]
+    fn a_large_claim_table_is_swept_a_step_at_a_time() {
+        let clock = ManualClock::new(T0);
+        let config = LocalConfig {
+            shards: 1,
+            max_tenants: 1_000,
+            sweep_every: 64,
+        };
+        let local = store(&clock, config);
+        let claims = 8 * SWEEP_STEP;
+        for i in 0..claims {
+            let req = HitRequest {
+                charges: Vec::new(),
+                claim: Some(claim("big", &format!("k{i}"), "h")),
+            };
+            assert_eq!(local.hit(&req), Ok(HitOutcome::Ok));
+        }
+        // One claim committed, which keeps the tenant.
+        let live = HitRequest {
+            charges: Vec::new(),
+            claim: Some(claim("big", "live", "h")),
+        };
+        assert_eq!(local.hit(&live), Ok(HitOutcome::Ok));
+        let commit = settle(claim("big", "live", "h"), Settlement::Commit);
+        assert_eq!(local.settle(&commit), Ok(SettleOutcome::Ok));
+        // Every other claim is past its pending TTL; every 64th operation
+        // sweeps a step.
+        clock.advance_us(10_000_000);
+        let swept = || local.stats().swept_claims as usize;
+        let mut steps = 0;
+        while swept() < claims && steps < 1_000 {
+            let before = swept();
+            for _ in 0..64 {
+                local.hit(&hit("other", None)).expect("valid");
+            }
+            let step = swept() - before;
+            assert!(
+                step <= SWEEP_STEP,
+                "one sweep on the answer path dropped {step} claims"
+            );
+            steps += 1;
+        }
+        assert_eq!(swept(), claims);
+        assert!(steps > 2, "swept in {steps} steps");
+        assert!(local.has_live_claim("big", "src", "live"));
     }
 
     #[test]

@@ -259,6 +259,30 @@ async fn every_outage_kind_degrades_with_its_reason() {
     }
 }
 
+/// A node shedding one hot tenant (`overloaded`) is answered locally for
+/// that tenant, but it answered: however many such answers come in a row, the
+/// breaker stays closed for the edge's other tenants.
+#[tokio::test]
+async fn a_shed_tenant_is_local_without_tripping_the_breaker() {
+    let r = rig(2);
+    r.edge
+        .store()
+        .set(Behave::Fail(refused(ErrorCode::Overloaded)));
+    for n in 0..5 {
+        let answer = r
+            .edge
+            .hit(hit(&format!("k{n}"), "h1"), BUDGET)
+            .await
+            .unwrap();
+        assert_eq!(
+            answer.source,
+            local(LocalReason::NodeError(ErrorCode::Overloaded))
+        );
+    }
+    assert_eq!(r.edge.store().calls().0, 5, "every call tried the fleet");
+    assert_eq!(r.edge.breaker().state(), BreakerState::Closed);
+}
+
 /// A call given no time is answered locally at once, and says nothing about
 /// the fleet: as many as open the breaker leave it closed.
 #[tokio::test]
