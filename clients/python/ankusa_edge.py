@@ -28,8 +28,8 @@ What it implements:
   resend or degrade) and ``FleetError`` (the fleet could not answer: degrade).
 - ``EdgeClient``: ``hit``, ``settle``, ``reset`` and ``inspect`` over a connected nats-py
   client, each within a hard budget, resending on NATS "no responders" as §9
-  says; calls made while others are in flight to the same node leave
-  together as one ``batch`` message (§5.5), and ``batch`` sends many at
+  says; hits and settles made while others are in flight to the same node
+  leave together as one ``batch`` message (§5.5), and ``batch`` sends many at
   once: one message per node whose shards it has learned from their
   replies, or per shard whose node is not known yet.
 - ``DegradingEdge``: the local degrade of §9 over an ``EdgeClient``: on an
@@ -52,9 +52,11 @@ import asyncio
 import itertools
 import json
 import logging
+import math
 import re
 import sys
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -95,6 +97,7 @@ __all__ = [
     "NotFound",
     "NotOwner",
     "Pending",
+    "Permit",
     "RateLimited",
     "Reply",
     "RequestError",
@@ -119,9 +122,9 @@ __all__ = [
 PROTOCOL_VERSION = 1
 """The one protocol version this client speaks (§4)."""
 MAX_REQUEST_BYTES = 65_536
-# Most items in one batch (§5.5).
-MAX_BATCH = 256
 """Largest request payload a node takes (§8)."""
+MAX_BATCH = 256
+"""Most items in one batch (§5.5)."""
 MAX_SHARDS = 4096
 """Most shards an instance may have (§1)."""
 
@@ -151,6 +154,12 @@ _NODE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _FIRST_PAUSE_S = 0.002
 _MAX_PAUSE_S = 0.050
 _RETRY_ROUND_TRIP_S = 0.010
+# A timer fires at or after its instant (the loop's waits are whole
+# milliseconds, rounded up) and the woken task needs a moment more: a call's
+# alarm is set this much early, at most a fifth of its budget, so that its
+# caller resumes by the deadline rather than just after it, as the Rust
+# edge's calls do.
+_EARLY_S = 0.002
 
 _log = logging.getLogger("ankusa_edge")
 
@@ -986,8 +995,20 @@ _OUTCOMES = {
 
 
 def _name(op: Op) -> str:
-    names = {Hit: "hit", Settle: "settle", Reset: "reset", Inspect: "inspect"}
-    return names[type(op)]
+    # isinstance, not type(op): a caller's subclass of Hit is a hit.
+    for cls, name in ((Hit, "hit"), (Settle, "settle"), (Reset, "reset"), (Inspect, "inspect")):
+        if isinstance(op, cls):
+            return name
+    raise TypeError(f"not a request operation: {op!r}")
+
+
+def _alarm(loop: asyncio.AbstractEventLoop, timeout_ms: int) -> float:
+    """The loop time a call of ``timeout_ms`` ends by: its deadline less
+    ``_EARLY_S`` or a fifth of the budget, whichever is less. Its requests
+    carry the budget left until then, so that no node works for a caller
+    that has stopped waiting."""
+    budget_s = timeout_ms / 1000
+    return loop.time() + budget_s - min(_EARLY_S, budget_s / 5)
 
 
 def _check_budget(timeout_ms: Any) -> None:
@@ -1045,16 +1066,20 @@ class EdgeClient:
 
     ``instance`` and ``shards`` must be the fleet's. Every call takes
     ``timeout_ms``, a hard budget: it returns an outcome or raises a
-    ``StoreError`` within it. With ``validate`` (the default) a request that
+    ``StoreError`` by then. Timers fire late, so a call's own is set early
+    (by 2 ms, or a fifth of a smaller budget) and each request carries the
+    budget left until that alarm; a loop too busy to wake the caller in that
+    margin still makes it late. With ``validate`` (the default) a request that
     breaks a rule of §8 is refused here with the ``InvalidRequest`` a node would
     answer, without sending it. ``compact`` sends requests in the compact form.
 
-    With ``batching`` (the default), calls made while another is in flight to
-    the same node wait and leave together as one ``batch`` (§5.5): a lone
-    call leaves at once, alone, and while up to ``max_in_flight`` messages
-    are out, the calls gathering behind them leave when an answer comes back
-    or ``max_batch`` of them have gathered. Each call keeps its own budget,
-    on the wire and in waiting for its answer.
+    With ``batching`` (the default), hits and settles made while another is
+    in flight to the same node wait and leave together as one ``batch``
+    (§5.5): a lone call leaves at once, alone, and while up to
+    ``max_in_flight`` messages are out, the calls gathering behind them leave
+    when an answer comes back or ``max_batch`` of them have gathered. Each
+    call keeps its own budget, on the wire and in waiting for its answer.
+    Resets and inspects always go alone, as the Rust edge sends them.
 
     With ``node_batches`` (the default), batches go to the subject of the node
     that serves their shards, learned from the shards' replies (§1, §5.5),
@@ -1174,13 +1199,17 @@ class EdgeClient:
         return await self._call(Inspect(tenant, claim), "inspect", timeout_ms)
 
     async def _call(self, op: Op, name: str, timeout_ms: int) -> Any:
-        if not self._batching:
+        # Only hits and settles share messages, as the Rust edge's calls do:
+        # resets and inspects are rare, and a node from before `inspect`
+        # answers a whole batch holding one `malformed`, failing the hits in
+        # it with the inspect.
+        if not self._batching or not isinstance(op, (Hit, Settle)):
             reply = await self.request(op, timeout_ms=timeout_ms)
             return _outcome(reply.body, name)
         _check_budget(timeout_ms)
         self._check(op)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_ms / 1000
+        deadline = _alarm(loop, timeout_ms)
         waiting = _Waiting(op, timeout_ms, deadline, loop.create_future())
         shard = shard_of(op.tenant, self.shards)
         node = self._owners.get(shard)
@@ -1191,7 +1220,7 @@ class EdgeClient:
             lane = self._lanes[key] = _Lane(key)
         lane.queue.append(waiting)
         self._pump(lane)
-        # The deadline ends the wait, answer or not: a timer on the call's own
+        # The alarm ends the wait, answer or not: a timer on the call's own
         # future (cheaper than wait_for, and the lane sends no call whose
         # future is done).
         expiry = loop.call_at(deadline, _expire, waiting.future, timeout_ms)
@@ -1269,12 +1298,27 @@ class EdgeClient:
         Returns, in the order of ``ops``, each one's outcome or the
         ``StoreError`` it met, returned rather than raised: one item's error
         does not touch the others. An op this client refuses (its checks of
-        §8) is not sent."""
+        §8) is not sent; a hit with nothing to charge or claim is ``HitOk``,
+        sent nowhere, as ``hit`` answers it (§9.1).
+
+        A node from before ``inspect`` refuses a whole batch holding one as
+        ``malformed``: every item in that message, not only the inspect, then
+        gets ``MalformedRequest``. Inspect through ``inspect``, or in batches
+        of inspects only, where nodes may be older."""
         _check_budget(timeout_ms)
-        deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
+        deadline = _alarm(asyncio.get_running_loop(), timeout_ms)
         results: list = [None] * len(ops)
         checked = []
         for i, op in enumerate(ops):
+            if (
+                isinstance(op, Hit)
+                and isinstance(op.charges, (list, tuple))
+                and not op.charges
+                and op.claim is None
+            ):
+                # The contract's answer, which names no shard to send it to.
+                results[i] = HitOk()
+                continue
             try:
                 self._check(op)
             except RequestError as e:
@@ -1304,6 +1348,20 @@ class EdgeClient:
             if node is not None and self._node_subjects_refused():
                 await by_shard(indexes)
                 return
+            # §5.1: an item whose budget rounds down to 0 ms has nothing left
+            # to send; it times out here and stays out of the message. (A
+            # resend after no responders may still carry one at 0, which the
+            # node answers `deadline_expired`.)
+            now = loop.time()
+            timely = []
+            for i in indexes:
+                if deadlines[i] - now < 0.001:
+                    results[i] = Timeout("its budget ran out before it could be sent")
+                else:
+                    timely.append(i)
+            if not timely:
+                return
+            indexes = timely
             deadline = max(deadlines[i] for i in indexes)
 
             def encode(budget_ms: int) -> bytes:
@@ -1339,9 +1397,14 @@ class EdgeClient:
                     return
                 error = e
             except StoreError as e:
-                if node is not None and isinstance(e, Timeout):
-                    # Perhaps refused by the server: if so, not again.
-                    self._node_subjects_refused()
+                if node is not None:
+                    if isinstance(e, Timeout):
+                        # Perhaps refused by the server: if so, not again.
+                        self._node_subjects_refused()
+                    # A node that does not answer may have lost its shards:
+                    # their calls go to the shards' subjects until a reply
+                    # names a node again, as the Rust edge does.
+                    self._forget(node)
                 error = e
             else:
                 body = reply.body
@@ -1388,7 +1451,7 @@ class EdgeClient:
         ``RequestError`` for a request refused before sending and a
         ``FleetError`` when no readable reply came in time."""
         _check_budget(timeout_ms)
-        deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
+        deadline = _alarm(asyncio.get_running_loop(), timeout_ms)
         self._check(op)
         return await self._request_until(op, deadline, timeout_ms)
 
@@ -1481,6 +1544,16 @@ def wall_clock_us() -> Callable[[], int]:
     return lambda: anchor_us + (time.monotonic_ns() - start_ns) // 1000
 
 
+# Every _SWEEP_EVERY operations, a LocalStore sweeps the next _SWEEP_BATCH
+# tenants in turn: a bounded step, where a full pass over 100,000 tenants in
+# Python would hold up the answer it was made in (the Rust store sweeps a
+# lock shard every 1,024 operations on it). A full store looks at its
+# _ROOM_SCAN least recently used tenants for ones that hold nothing.
+_SWEEP_EVERY = 16
+_SWEEP_BATCH = 32
+_ROOM_SCAN = 64
+
+
 @dataclass
 class _LocalClaim:
     hook_id: str
@@ -1512,45 +1585,91 @@ class LocalStore:
     the fleet before it may be accepted again (a duplicate delivery).
     ``Duplicate`` is only answered for a claim committed here.
 
-    ``clock`` returns unix µs. At most ``max_tenants`` are kept: a new tenant
-    past that first drops the tenants that hold nothing, then, if that leaves
-    less room than an eighth, the least recently used to make that room,
-    which can only admit more, never answer ``Duplicate``. Requests must have passed ``validate``. Not thread-safe:
-    use it from one event loop, as ``DegradingEdge`` does."""
+    ``clock`` returns unix µs. Every 16 hits and settles, the store sweeps
+    the next 32 of its tenants in turn (expired claims go, and tenants that
+    hold nothing); ``sweep`` does them all, for a periodic tick. At most
+    ``max_tenants`` are kept: a new tenant past that drops those of the 64
+    least recently used that hold nothing or, if none of them does, the
+    eighth of those 64 used least recently, live claims and all. That can
+    only admit more, never answer ``Duplicate``. Requests must have passed
+    ``validate``. Not thread-safe: use it from one event loop, as
+    ``DegradingEdge`` does."""
 
     def __init__(self, *, max_tenants: int = 100_000, clock: Callable[[], int] | None = None):
         self._clock = clock or wall_clock_us()
         self._max_tenants = max(1, max_tenants)
         self._tenants: dict[str, _LocalTenant] = {}
+        # Every tenant made, in the order the incremental sweep visits them,
+        # and where it stopped. An entry whose tenant has gone is dropped
+        # when visited, so the list stays within about twice the tenants.
+        self._ring: list[tuple[str, _LocalTenant]] = []
+        self._ring_at = 0
+        self._ops = 0
 
     def __len__(self) -> int:
         return len(self._tenants)
 
-    def _tenant(self, name: str) -> _LocalTenant:
+    def _tenant(self, name: str, now: int) -> _LocalTenant:
         tenant = self._tenants.pop(name, None)  # re-inserted last: most recently used
         if tenant is None:
             if len(self._tenants) >= self._max_tenants:
-                self._make_room()
+                self._make_room(now)
             tenant = _LocalTenant({HOOKS: 0, BYTES: 0}, {})
+            self._ring.append((name, tenant))
         self._tenants[name] = tenant
         return tenant
 
-    def _make_room(self) -> None:
-        # Room for an eighth at once, so that a stream of new tenants pays for
-        # a sweep once per eighth, not on every insert (a sweep that freed a
-        # few would otherwise come again at once, each a pass over them all).
-        self.sweep()
-        room = max(1, self._max_tenants // 8)
-        excess = len(self._tenants) + room - self._max_tenants
-        if excess > 0:
-            for name in list(itertools.islice(self._tenants, excess)):
+    def _make_room(self, now: int) -> None:
+        """Frees a place in a full store, looking at no more than
+        ``_ROOM_SCAN`` tenants: the answer it is made in waits for it."""
+        oldest = list(itertools.islice(self._tenants.items(), _ROOM_SCAN))
+        empty = [name for name, tenant in oldest if tenant.is_empty(now)]
+        # Failing those, room for an eighth of the scan at once, as the Rust
+        # store makes room for an eighth of a shard: a stream of new tenants
+        # then pays for a scan every few inserts, not on each.
+        room = max(1, len(oldest) // 8)
+        for name in empty or [name for name, _ in oldest[:room]]:
+            del self._tenants[name]
+
+    def _tick(self, now: int) -> None:
+        """Counts an operation, and sweeps a few tenants every ``_SWEEP_EVERY``:
+        without it, an active tenant's expired claims would pile up."""
+        self._ops += 1
+        if self._ops >= _SWEEP_EVERY:
+            self._ops = 0
+            self._sweep_some(now, _SWEEP_BATCH)
+
+    def _sweep_some(self, now: int, count: int) -> None:
+        """Sweeps the next ``count`` tenants of the ring (fewer if it holds
+        fewer), resuming where the last call stopped."""
+        ring = self._ring
+        for _ in range(min(count, len(ring))):
+            if self._ring_at >= len(ring):
+                self._ring_at = 0
+            name, tenant = ring[self._ring_at]
+            if self._tenants.get(name) is tenant:
+                self._drop_expired(tenant, now)
+                if not tenant.is_empty(now):
+                    self._ring_at += 1
+                    continue
                 del self._tenants[name]
+            # Gone: the last entry takes its place, and is visited next.
+            ring[self._ring_at] = ring[-1]
+            ring.pop()
+
+    @staticmethod
+    def _drop_expired(tenant: _LocalTenant, now: int) -> int:
+        expired = [k for k, c in tenant.claims.items() if c.expires_us <= now]
+        for k in expired:
+            del tenant.claims[k]
+        return len(expired)
 
     def hit(self, op: Hit) -> HitOutcome:
         """§7.1, in its order: a replay of an own pending claim, the charges
         all or nothing, a taken key, then the charges and the claim."""
         now = self._clock()
-        tenant = self._tenant(op.tenant)
+        self._tick(now)
+        tenant = self._tenant(op.tenant, now)
         claim = op.claim
         held = tenant.live(claim.source_id, claim.key, now) if claim else None
         if held and not held.committed and held.hook_id == claim.hook_id:
@@ -1579,6 +1698,7 @@ class LocalStore:
     def settle(self, op: Settle) -> SettleOutcome:
         """§7.2: only the hook holding the key settles it."""
         now = self._clock()
+        self._tick(now)
         claim = op.claim
         tenant = self._tenants.get(claim.tenant)
         held = tenant.live(claim.source_id, claim.key, now) if tenant else None
@@ -1606,8 +1726,8 @@ class LocalStore:
         self, tenant: str, source_id: str, key: str, hook_id: str | None = None
     ) -> bool:
         """Whether a live claim on the key was made here (by ``hook_id``, if
-        given): such a claim lives here until it expires, since the fleet
-        never saw it."""
+        given): such a claim lives here until it expires (or its tenant is
+        evicted from a full store), since the fleet never saw it."""
         state = self._tenants.get(tenant)
         held = state.live(source_id, key, self._clock()) if state else None
         return held is not None and hook_id in (None, held.hook_id)
@@ -1619,13 +1739,23 @@ class LocalStore:
         dropped = 0
         for name in list(self._tenants):
             tenant = self._tenants[name]
-            expired = [k for k, c in tenant.claims.items() if c.expires_us <= now]
-            for k in expired:
-                del tenant.claims[k]
-            dropped += len(expired)
+            dropped += self._drop_expired(tenant, now)
             if tenant.is_empty(now):
                 del self._tenants[name]
         return dropped
+
+
+@dataclass(frozen=True)
+class Permit:
+    """A call ``CircuitBreaker.admit`` let through to the fleet; ``probe``
+    when it is the one call trying a breaker that was open. Its result goes
+    back with ``record(up, permit.probe)``, or ``abandon(permit.probe)``."""
+
+    probe: bool
+
+
+_CALL = Permit(probe=False)
+_PROBE = Permit(probe=True)
 
 
 class CircuitBreaker:
@@ -1633,7 +1763,9 @@ class CircuitBreaker:
     ``failure_threshold`` outages in a row it opens for ``base_backoff_s``,
     refusing every call at once; then one call probes, which closes it on
     success or reopens it with the backoff doubled, up to ``max_backoff_s``.
-    ``clock`` is monotonic seconds."""
+    Only the probe's result closes or reopens it: a call let through before
+    it opened may report late, and its success only starts the count of
+    outages again, as in the Rust breaker. ``clock`` is monotonic seconds."""
 
     def __init__(
         self,
@@ -1658,34 +1790,40 @@ class CircuitBreaker:
             return "half_open"
         return "closed" if self._open_until is None else "open"
 
-    def admit(self) -> bool:
-        """Whether this call may go to the fleet; a call admitted must be
-        ``record``-ed."""
+    def admit(self) -> Permit | None:
+        """A ``Permit`` if this call may go to the fleet (its result must be
+        ``record``-ed, or the call ``abandon``-ed), None if not."""
         if self._open_until is None:
-            return True
+            return _CALL
         if self._probing or self._clock() < self._open_until:
-            return False
+            return None
         self._probing = True
-        return True
+        return _PROBE
 
-    def abandon(self) -> None:
+    def abandon(self, probe: bool) -> None:
         """An admitted call that ended with no result (cancelled, or failed
-        before it reached the fleet): it says nothing of the fleet, and a
-        probe's turn goes to the next call."""
-        self._probing = False
+        before it reached the fleet): it says nothing of the fleet, and if it
+        was the probe, the probe's turn goes to the next call."""
+        if probe:
+            self._probing = False
 
-    def record(self, up: bool) -> None:
-        """The admitted call's result: ``up`` unless it met an outage."""
-        was_probe, self._probing = self._probing, False
+    def record(self, up: bool, probe: bool) -> None:
+        """An admitted call's result, ``up`` unless it met an outage;
+        ``probe`` as its permit says."""
+        if probe:
+            self._probing = False
+            if up:
+                self._failures, self._backoff, self._open_until = 0, self._base, None
+            else:
+                self._backoff = min(self._backoff * 2, self._max)
+                self._open_until = self._clock() + self._backoff
+            return
         if up:
-            self._failures, self._backoff, self._open_until = 0, self._base, None
+            self._failures = 0
             return
         self._failures += 1
-        if was_probe:
-            self._backoff = min(self._backoff * 2, self._max)
-        elif self._failures < self._threshold or self._open_until is not None:
-            return
-        self._open_until = self._clock() + self._backoff
+        if self._failures >= self._threshold and self._open_until is None:
+            self._open_until = self._clock() + self._backoff
 
 
 @dataclass(frozen=True)
@@ -1718,13 +1856,22 @@ class DegradingEdge:
     ``FleetError``) a hit is answered from this process's ``LocalStore``,
     within the same budget, and the ``Answer`` says so. A request the node
     refuses as the request's fault (``RequestError``) is raised, never
-    degraded. A claim made locally stays local until it expires: later hits
-    on its key and its settle are answered here. A settle of a fleet claim
-    goes to the fleet only; during an outage its ``FleetError`` is raised
-    (committing locally a claim the fleet holds could answer ``Duplicate``
-    for a hook nobody stored). A reset is applied locally always and sent to
-    the fleet best effort. ``reserve_ms`` of each budget (at most a tenth)
-    is kept for the local answer."""
+    degraded. A claim made locally stays local until it expires, or until a
+    full ``LocalStore`` evicts its tenant: later hits on its key and its
+    settle are answered here, and after an eviction go to the fleet, which
+    never saw the claim (its key may be admitted again: a duplicate
+    delivery). A settle of a fleet claim goes to the fleet only; during
+    an outage its ``FleetError`` is raised (committing locally a claim the
+    fleet holds could answer ``Duplicate`` for a hook nobody stored). A
+    reset is applied locally always and sent to the fleet best effort.
+
+    ``reserve_ms`` of each budget, at most a tenth of it, is kept for the
+    local answer, rounded up to a whole millisecond as budgets travel. A
+    budget that leaves the fleet less than 2 ms (a request of 1 ms has
+    nothing left to send once its alarm is set) is the caller's, not an
+    outage: the fleet is not tried, the breaker not told, and the answer is
+    local with reason ``timeout``. Call ``sweep`` from a periodic tick to
+    drop expired local claims of tenants no call touches."""
 
     def __init__(
         self,
@@ -1735,14 +1882,16 @@ class DegradingEdge:
         reserve_ms: int = 1,
     ):
         self.edge = edge
-        self.local = local or LocalStore()
-        self.breaker = breaker or CircuitBreaker()
+        # `is None`, not `or`: a LocalStore is as long as its tenants, so a
+        # new one is falsy.
+        self.local = local if local is not None else LocalStore()
+        self.breaker = breaker if breaker is not None else CircuitBreaker()
         self._reserve_ms = reserve_ms
 
     async def hit(
         self, charges: Sequence[Charge], claim: Claim | None = None, *, timeout_ms: int
     ) -> Answer:
-        budget = self._budget(timeout_ms)
+        _check_budget(timeout_ms)
         if not charges and claim is None:
             # The fleet's answer, which needs no round trip (§9.1).
             return Answer(HitOk(), "fleet")
@@ -1750,7 +1899,9 @@ class DegradingEdge:
         validate(op)
         if claim and self.local.holds_claim(claim.tenant, claim.source_id, claim.key):
             return Answer(self.local.hit(op), "local", "local_claim")
-        fleet = await self._fleet(self.edge.hit(op.charges, claim, timeout_ms=budget))
+        fleet = await self._fleet(
+            lambda budget: self.edge.hit(op.charges, claim, timeout_ms=budget), timeout_ms
+        )
         if isinstance(fleet, Answer):
             return fleet
         return Answer(self.local.hit(op), "local", fleet)
@@ -1758,48 +1909,68 @@ class DegradingEdge:
     async def settle(self, claim: Claim, settlement: str, *, timeout_ms: int) -> Answer:
         op = Settle(claim, settlement)
         validate(op)
-        budget = self._budget(timeout_ms)
+        _check_budget(timeout_ms)
         if self.local.holds_claim(claim.tenant, claim.source_id, claim.key, claim.hook_id):
             return Answer(self.local.settle(op), "local", "local_claim")
         fleet = await self._fleet(
-            self.edge.settle(claim, settlement, timeout_ms=budget), raise_outage=True
+            lambda budget: self.edge.settle(claim, settlement, timeout_ms=budget),
+            timeout_ms,
+            raise_outage=True,
         )
         if isinstance(fleet, Answer):
             return fleet
+        if fleet == "timeout":
+            raise Timeout(f"{timeout_ms} ms leaves the fleet no time: it was not tried")
         raise FleetError("circuit breaker open: the fleet was not tried")
 
     async def reset(self, tenant: str, *, timeout_ms: int) -> Answer:
         validate(Reset(tenant))
-        budget = self._budget(timeout_ms)
+        _check_budget(timeout_ms)
         self.local.reset(tenant)
-        fleet = await self._fleet(self.edge.reset(tenant, timeout_ms=budget))
+        fleet = await self._fleet(
+            lambda budget: self.edge.reset(tenant, timeout_ms=budget), timeout_ms
+        )
         return fleet if isinstance(fleet, Answer) else Answer(ResetDone(), "local", fleet)
 
-    def _budget(self, timeout_ms: int) -> int:
-        """The fleet's part of a call's budget, once the budget is known to
-        be one the contract allows (the caller's error otherwise, raised)."""
-        _check_budget(timeout_ms)
-        return timeout_ms - min(self._reserve_ms, timeout_ms // 10)
+    def sweep(self) -> int:
+        """Sweeps the local store (for a periodic tick); returns the claims dropped."""
+        return self.local.sweep()
 
-    async def _fleet(self, call: Any, *, raise_outage: bool = False) -> Answer | str:
-        """The fleet's ``Answer``, or the reason to answer locally."""
-        if not self.breaker.admit():
-            call.close()  # never awaited: the fleet is not tried
+    def _budget(self, timeout_ms: int) -> int:
+        """The fleet's part of a call's budget: less the reserve, which is
+        at most a tenth, as the Rust edge keeps, but counted in whole ms, as
+        the wire counts budgets; 0 when too little is left to send."""
+        reserve = math.ceil(min(self._reserve_ms, timeout_ms / 10))
+        fleet_ms = timeout_ms - reserve
+        return fleet_ms if fleet_ms >= 2 else 0
+
+    async def _fleet(
+        self, call: Callable[[int], Any], timeout_ms: int, *, raise_outage: bool = False
+    ) -> Answer | str:
+        """The fleet's ``Answer`` to ``call(its budget)``, or the reason to
+        answer locally."""
+        budget = self._budget(timeout_ms)
+        if budget == 0:
+            # The caller's budget, not the fleet's failure: as the Rust edge
+            # does, answered locally at once and the breaker not told.
+            return "timeout"
+        permit = self.breaker.admit()
+        if permit is None:
             return "breaker_open"
         try:
-            outcome = await call
+            outcome = await call(budget)
         except FleetError as e:
-            self.breaker.record(False)
+            self.breaker.record(False, permit.probe)
             if raise_outage:
                 raise
             return _outage_reason(e)
         except RequestError:
-            self.breaker.record(True)  # the fleet answered: it is up
+            self.breaker.record(True, permit.probe)  # the fleet answered: it is up
             raise
         except BaseException:
-            self.breaker.abandon()
+            self.breaker.abandon(permit.probe)
             raise
-        self.breaker.record(True)
+        self.breaker.record(True, permit.probe)
         return Answer(outcome)
 
 
@@ -2460,7 +2631,7 @@ async def _scenario(nc: Any, args: argparse.Namespace) -> None:
         await shard_subs.unsubscribe()
         await node_sub.unsubscribe()
 
-    # Concurrent single calls share messages (the client's batching), each
+    # Concurrent hits and settles share messages (the client's batching), each
     # answered as if sent alone: 150 fresh claims over 5 tenants, their
     # commits, then the same keys again. A watcher counts the requests.
     sent_requests: list = []
@@ -2501,12 +2672,14 @@ async def _scenario(nc: Any, args: argparse.Namespace) -> None:
     mute = await nc.subscribe(silent.subject("acme"))
     await nc.flush()
     await run("timeout", silent.reset("acme", timeout_ms=200), budget_ms=200)
-    # A call queued behind one in flight keeps its own, shorter budget.
+    # A call queued behind one in flight keeps its own, shorter budget (hits:
+    # resets are never queued, they go alone).
+    acme = [Charge(HOOKS, "acme", 1, 1)]
     first = asyncio.ensure_future(
-        run("timeout-in-flight", silent.reset("acme", timeout_ms=300), budget_ms=300)
+        run("timeout-in-flight", silent.hit(acme, timeout_ms=300), budget_ms=300)
     )
     await asyncio.sleep(0)
-    await run("timeout-queued", silent.reset("acme", timeout_ms=100), budget_ms=100)
+    await run("timeout-queued", silent.hit(acme, timeout_ms=100), budget_ms=100)
     await first
     await mute.unsubscribe()
 
@@ -2538,9 +2711,200 @@ def cmd_local_replay() -> int:
     return 0
 
 
+class _FakeNats:
+    """A NATS connection with no server, for the self-test: ``answer(subject,
+    request)`` gives each request's reply record, an exception to raise, or
+    None for no reply (the request then waits until its caller gives up).
+    Requests wait while ``gate`` is clear; ``sent`` keeps each one's
+    (subject, decoded request, timeout)."""
+
+    def __init__(self, answer: Callable[[str, Any], Any]):
+        self.answer = answer
+        self.sent: list = []
+        self.is_connected = True
+        self.last_error = None
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def request(self, subject: str, payload: bytes, timeout: float) -> Any:
+        request = msgpack.unpackb(payload, raw=False)
+        self.sent.append((subject, request, timeout))
+        await self.gate.wait()
+        reply = self.answer(subject, request)
+        if reply is None:
+            await asyncio.get_running_loop().create_future()  # never set
+        if isinstance(reply, BaseException):
+            raise reply
+        return types.SimpleNamespace(data=msgpack.packb(reply, use_bin_type=True))
+
+
+def _op_names(request: dict) -> list:
+    """The operations a map-form request carries: its own, or its items'."""
+    op = request["op"]
+    ops = [item["op"] for item in op["batch"]] if "batch" in op else [op]
+    return [name for o in ops for name in o]
+
+
+def _ok_reply(request: dict, node: str | None = None) -> dict:
+    """A stand-in node's reply to a map-form ``request`` when all goes well."""
+    op = request["op"]
+    if "batch" in op:
+        body: Any = {"batch": [_ok_reply(item) for item in op["batch"]]}
+    elif "reset" in op:
+        body = "reset"
+    elif "inspect" in op:
+        body = {"inspect": {"buckets": [], "claims_held": 0, "claim": None}}
+    else:
+        body = {name: {"result": "ok"} for name in op}
+    reply = {"v": PROTOCOL_VERSION, "body": body}
+    if node is not None:
+        reply["node"] = node
+    return reply
+
+
+def _before_inspect(subject: str, request: dict) -> dict:
+    """A node from before ``inspect``: any request holding one is malformed."""
+    if "inspect" in _op_names(request):
+        error = {"code": "malformed", "message": "unknown variant `inspect`"}
+        return {"v": PROTOCOL_VERSION, "body": {"error": error}}
+    return _ok_reply(request)
+
+
+async def _settled(call: Any) -> Any:
+    """A call's outcome, or the ``StoreError`` it raised."""
+    try:
+        return await call
+    except StoreError as e:
+        return e
+
+
+_ONE = (Charge(HOOKS, "selftest", 1, 1_000_000),)
+
+
+async def _check_inspect_and_reset_alone() -> bool:
+    """a reset and an inspect go alone, never in a batch a node before inspect refuses"""
+    nc = _FakeNats(_before_inspect)
+    client = EdgeClient(nc, "selftest", 4)
+    nc.gate.clear()
+    first = asyncio.ensure_future(client.hit(_ONE, timeout_ms=1_000))
+    await asyncio.sleep(0)  # in flight: the calls below queue behind it
+    later = [
+        asyncio.ensure_future(_settled(call))
+        for call in (
+            client.hit(_ONE, timeout_ms=1_000),
+            client.inspect("selftest", timeout_ms=1_000),
+            client.reset("selftest", timeout_ms=1_000),
+        )
+    ]
+    await asyncio.sleep(0)
+    nc.gate.set()
+    await first
+    hit, inspect, reset = await asyncio.gather(*later)
+    batched = [n for _, r, _ in nc.sent if "batch" in r["op"] for n in _op_names(r)]
+    return (
+        hit == HitOk()
+        and isinstance(inspect, MalformedRequest)
+        and reset == ResetDone()
+        and "inspect" not in batched
+        and "reset" not in batched
+    )
+
+
+async def _check_forgets_silent_node() -> bool:
+    """a node that does not answer a batch is forgotten for every shard"""
+    def answer(subject: str, request: dict) -> Any:
+        if ".node." in subject:
+            return nats.errors.TimeoutError()
+        return _ok_reply(request, node="n1")
+
+    client = EdgeClient(_FakeNats(answer), "selftest", 4)
+    await client.hit(_ONE, timeout_ms=1_000)
+    learned = client.known_nodes()
+    results = await client.batch([Hit(_ONE), Hit(_ONE)], timeout_ms=1_000)
+    timed_out = all(isinstance(r, Timeout) for r in results)
+    return learned == {shard_of("selftest", 4): "n1"} and timed_out and not client.known_nodes()
+
+
+async def _check_early_alarm() -> bool:
+    """a call's timers, and the budget it sends, end 2 ms before its deadline"""
+    loop = asyncio.get_running_loop()
+    nc = _FakeNats(lambda subject, request: None)
+    client = EdgeClient(nc, "selftest", 4)
+    whens: list = []
+    call_at = loop.call_at
+
+    def recording(when: float, *args: Any, **kwargs: Any) -> Any:
+        whens.append(when)
+        return call_at(when, *args, **kwargs)
+
+    loop.call_at = recording  # type: ignore[method-assign]
+    spans = []
+    try:
+        # A hit (batched, a timer on its future) and a reset (alone, wait_for).
+        for call in (
+            lambda: client.hit(_ONE, timeout_ms=100),
+            lambda: client.reset("selftest", timeout_ms=100),
+        ):
+            whens.clear()
+            start = loop.time()
+            result = await _settled(call())
+            spans.append(isinstance(result, Timeout) and max(whens) - start <= 0.0985)
+    finally:
+        del loop.call_at
+    sent = [(r["timeout_ms"], timeout) for _, r, timeout in nc.sent]
+    return all(spans) and len(sent) == 2 and all(ms <= 98 and t <= 0.0985 for ms, t in sent)
+
+
+async def _check_budget_too_small_for_fleet() -> bool:
+    """DegradingEdge keeps a reserve under 10 ms, and a budget with no room
+    for the fleet is not an outage"""
+    nc = _FakeNats(lambda subject, request: _ok_reply(request))
+    edge = DegradingEdge(
+        EdgeClient(nc, "selftest", 4), breaker=CircuitBreaker(failure_threshold=1)
+    )
+    budgets = [edge._budget(t) for t in (1, 2, 3, 5, 10, 11, 100)]
+    answer = await edge.hit(_ONE, timeout_ms=1)
+    return (
+        budgets == [0, 0, 2, 4, 9, 10, 99]
+        and (answer.source, answer.reason) == ("local", "timeout")
+        and edge.breaker.state == "closed"
+        and not nc.sent
+    )
+
+
+async def _check_item_out_of_time() -> bool:
+    """a batch item with under 1 ms left times out here, left out of the message"""
+    nc = _FakeNats(lambda subject, request: _ok_reply(request))
+    client = EdgeClient(nc, "selftest", 4)
+    now = asyncio.get_running_loop().time()
+    results: list = [None, None]
+    await client._carry_out([Hit(_ONE), Hit(_ONE)], [now + 0.0005, now + 1.0], [0, 1], results)
+    sent = [item["timeout_ms"] for _, r, _ in nc.sent for item in r["op"]["batch"]]
+    return isinstance(results[0], Timeout) and results[1] == HitOk() and len(sent) == 1
+
+
+async def _check_empty_hit_in_batch() -> bool:
+    """an empty hit in a batch is HitOk, sent nowhere, as hit() answers it"""
+    nc = _FakeNats(lambda subject, request: _ok_reply(request))
+    client = EdgeClient(nc, "selftest", 4)
+    results = await client.batch([Hit()], timeout_ms=100)
+    return results == [HitOk()] and not nc.sent
+
+
+class _OwnHit(Hit):
+    """A caller's own kind of hit."""
+
+
+async def _check_subclass_in_batch() -> bool:
+    """a subclass of Hit in a batch is a hit"""
+    client = EdgeClient(_FakeNats(lambda subject, request: _ok_reply(request)), "selftest", 4)
+    return await client.batch([_OwnHit(_ONE)], timeout_ms=1_000) == [HitOk()]
+
+
 def cmd_self_test() -> int:
     """Checks of the parts no fleet is needed for: the breaker's transitions
-    on a clock that moves when told, and the local store's bound on tenants.
+    on a clock that moves when told, the local store's bounds, and the
+    client's routing, batching and budgets over a stand-in NATS connection.
     One line per check; exit 1 if any failed."""
     failed = 0
 
@@ -2549,6 +2913,14 @@ def cmd_self_test() -> int:
         failed += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {what}")
 
+    def attempt(what: str, run: Callable[[], bool]) -> None:
+        """A check that a bug could make raise: raising is failing."""
+        try:
+            ok = run()
+        except Exception as e:
+            ok, what = False, f"{what} (raised {e!r})"
+        check(ok, what)
+
     now = [0.0]
     b = CircuitBreaker(
         failure_threshold=3, base_backoff_s=1.0, max_backoff_s=4.0, clock=lambda: now[0]
@@ -2556,41 +2928,65 @@ def cmd_self_test() -> int:
 
     def calls(*up: bool) -> None:
         for result in up:
-            b.admit()
-            b.record(result)
+            permit = b.admit()
+            if permit is not None:
+                b.record(result, permit.probe)
 
     calls(False, False)
     check(b.state == "closed", "two outages of three keep the breaker closed")
     calls(True, False, False)
     check(b.state == "closed", "a success starts the count again")
     calls(False)
-    check(b.state == "open" and not b.admit(), "the third outage in a row opens it")
+    check(b.state == "open" and b.admit() is None, "the third outage in a row opens it")
     now[0] = 0.999
-    check(not b.admit(), "it stays open for the backoff")
+    check(b.admit() is None, "it stays open for the backoff")
     now[0] = 1.0
-    check(b.admit() and b.state == "half_open", "then one call probes")
-    check(not b.admit(), "and only one")
-    b.abandon()
-    check(b.admit(), "a probe that ended with no result passes its turn on")
-    b.record(False)
+    probe = b.admit()
+    check(probe is not None and probe.probe and b.state == "half_open", "then one call probes")
+    check(b.admit() is None, "and only one")
+    b.abandon(probe.probe)
+    probe = b.admit()
+    check(probe is not None and probe.probe, "a probe that ended with no result passes its turn on")
+    b.record(False, probe.probe)
     now[0] = 2.999
-    check(not b.admit(), "a failed probe reopens it for twice the backoff")
+    check(b.admit() is None, "a failed probe reopens it for twice the backoff")
     now[0] = 3.0
     calls(False)
     now[0] = 6.999
-    check(not b.admit(), "doubling again")
+    check(b.admit() is None, "doubling again")
     now[0] = 7.0
     calls(False)
     now[0] = 10.999
-    check(not b.admit(), "open for the longest backoff after a third failed probe")
+    check(b.admit() is None, "open for the longest backoff after a third failed probe")
     now[0] = 11.0
-    check(b.admit(), "and no longer: the backoff stops doubling at its longest")
-    b.record(True)
-    check(b.state == "closed" and b.admit(), "a good probe closes it")
-    b.record(True)
-    calls(False, False, False)
+    probe = b.admit()
+    check(probe is not None, "and no longer: the backoff stops doubling at its longest")
+    b.record(True, probe.probe)
+    check(b.state == "closed" and b.admit() is not None, "a good probe closes it")
+    calls(True, False, False, False)
     now[0] = 12.0
-    check(b.admit(), "and the backoff starts again from the first")
+    check(b.admit() is not None, "and the backoff starts again from the first")
+
+    # Results of calls let through before the breaker opened come in late.
+    late = CircuitBreaker(failure_threshold=2, base_backoff_s=1.0, clock=lambda: now[0])
+    early = [late.admit() for _ in range(5)]
+    late.record(False, early[0].probe)
+    late.record(False, early[1].probe)
+    late.record(True, early[2].probe)
+    check(
+        late.state == "open" and late.admit() is None,
+        "a late success of a call let through before it opened does not close it",
+    )
+    now[0] += 1.0
+    probe = late.admit()
+    late.record(False, early[3].probe)
+    late.record(True, early[4].probe)
+    check(
+        probe is not None and probe.probe and late.state == "half_open" and late.admit() is None,
+        "nor do late results take the probe's place",
+    )
+    late.record(True, probe.probe)
+    check(late.state == "closed", "the probe's own success closes it")
 
     clock = [1_000_000]
     store = LocalStore(max_tenants=8, clock=lambda: clock[0])
@@ -2606,6 +3002,68 @@ def cmd_self_test() -> int:
     store.hit(Hit((), claim))
     clock[0] += 1_000
     check(store.sweep() == 1 and not store.holds_claim("t0", "s", "k"), "expired claims are swept")
+
+    # One busy tenant, a claim of 1 ms a millisecond: swept as it goes.
+    busy = LocalStore(clock=lambda: clock[0])
+    for i in range(2_000):
+        clock[0] += 1_000
+        busy.hit(Hit((), Claim("busy", "s", f"k{i}", "h", "e", 1, 1)))
+    left = busy.sweep()
+    check(left < 2 * _SWEEP_EVERY, f"a busy tenant's expired claims go as it works ({left} left)")
+
+    # A full store makes room looking at a few tenants, not at them all.
+    full = LocalStore(max_tenants=4_096, clock=lambda: clock[0])
+    for i in range(4_096):
+        full.hit(Hit((Charge(HOOKS, f"f{i}", 1_000_000, 1_000_000),)))
+    visits = [0]
+    is_empty = _LocalTenant.is_empty
+
+    def counted(tenant: _LocalTenant, now_us: int) -> bool:
+        visits[0] += 1
+        return is_empty(tenant, now_us)
+
+    _LocalTenant.is_empty = counted  # type: ignore[method-assign]
+    try:
+        full.hit(Hit((Charge(HOOKS, "newcomer", 1, 1_000_000),)))
+    finally:
+        _LocalTenant.is_empty = is_empty  # type: ignore[method-assign]
+    check(
+        visits[0] <= _ROOM_SCAN + _SWEEP_BATCH and len(full) <= 4_096,
+        f"a full store of 4,096 makes room looking at {visits[0]} of them",
+    )
+
+    def degrading_sweep() -> bool:
+        nc = _FakeNats(lambda subject, request: None)
+        local = LocalStore(clock=lambda: clock[0])
+        edge = DegradingEdge(EdgeClient(nc, "selftest", 4), local=local)
+        edge.local.hit(Hit((), claim))
+        clock[0] += 1_000
+        return edge.sweep() == 1
+
+    attempt("DegradingEdge.sweep sweeps its local store", degrading_sweep)
+
+    # The client over a stand-in connection: each check's docstring says
+    # what it checks.
+    client_checks = (
+        _check_inspect_and_reset_alone,
+        _check_forgets_silent_node,
+        _check_early_alarm,
+        _check_budget_too_small_for_fleet,
+        _check_item_out_of_time,
+        _check_empty_hit_in_batch,
+        _check_subclass_in_batch,
+    )
+
+    async def run_client_checks() -> None:
+        for run in client_checks:
+            what = " ".join(run.__doc__.split())
+            try:
+                ok = await run()
+            except Exception as e:
+                ok, what = False, f"{what} (raised {e!r})"
+            check(ok, what)
+
+    asyncio.run(run_client_checks())
     print(f"self-test: {failed} failed")
     return 1 if failed else 0
 
@@ -2648,7 +3106,10 @@ def main(argv: list | None = None) -> int:
     bench.add_argument("--tenants", type=int, default=100)
     bench.add_argument("--timeout-ms", type=int, default=1_000, help="budget of each call")
     bench.add_argument("--no-batching", action="store_true", help="send every call alone")
-    sub.add_parser("self-test", help="check the breaker and the local store on fake clocks")
+    sub.add_parser(
+        "self-test",
+        help="check the breaker, the local store and the client on fake clocks and connections",
+    )
     sub.add_parser(
         "local-replay",
         help="apply timed requests (JSON lines on stdin) to a LocalStore, one outcome a line",
