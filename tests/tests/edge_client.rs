@@ -38,6 +38,12 @@ async fn every_result_kind_end_to_end() {
     let (nats, _node) = standalone_pair("solo").await;
     let store = connected(&nats.url()).await;
 
+    // "No limit" is a budget too (it used to overflow the deadline's instant).
+    assert_eq!(
+        store.hit(hit("acme", "evt-0", "h0"), Duration::MAX).await,
+        Ok(HitOutcome::Ok)
+    );
+
     // Ok, then Pending for another hook, then Duplicate once committed.
     assert_eq!(
         store.hit(hit("acme", "evt-1", "h1"), T).await,
@@ -370,6 +376,33 @@ async fn batches_of_the_largest_calls_are_split_to_fit_a_message() {
 /// Subscribes to every shard subject of the `test` instance and answers each
 /// request `ok` after `delay`, or never (`None`), until the returned task is
 /// aborted.
+/// A call tells the node the time its caller really waits: its alarm goes
+/// off 2 ms early (timers fire late), and its budget on the wire ends there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_budget_sent_ends_when_the_caller_stops_waiting() {
+    let nats = NatsServer::start().await.expect("nats-server starts");
+    let client = async_nats::connect(nats.url()).await.expect("connects");
+    let subject = Subjects::new("test")
+        .expect("valid instance")
+        .shard(ankusa_bus::shard_of("acme", 16));
+    let mut requests = client.subscribe(subject).await.expect("subscribes");
+    ankusa_bus::server_caught_up(&client)
+        .await
+        .expect("the server has the subscription");
+    for batching in [false, true] {
+        let store = connected_edge(config(&nats.url(), batching)).await;
+        let call = store.hit(hit("acme", "k", "h"), Duration::from_millis(10));
+        let (result, request) = tokio::join!(call, futures::StreamExt::next(&mut requests));
+        assert!(matches!(result, Err(StoreError::Timeout(_))), "{result:?}");
+        let sent = Request::decode(&request.expect("a request").payload).expect("decodes");
+        assert!(
+            (1..=8).contains(&sent.timeout_ms),
+            "batching {batching}: a call of 10 ms sent a budget of {} ms",
+            sent.timeout_ms
+        );
+    }
+}
+
 async fn shard_stand_in(url: &str, delay: Option<Duration>) -> tokio::task::JoinHandle<()> {
     let client = async_nats::connect(url).await.expect("connects");
     let subjects = Subjects::new("test").expect("valid instance");
