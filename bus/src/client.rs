@@ -597,7 +597,7 @@ impl Inner {
 
     /// Sends `batch` to `node`'s subject, or to its first call's shard subject
     /// when the node is not known (every call is then for that shard).
-    async fn send_batch(self: &Arc<Self>, node: Option<&NodeTarget>, batch: Vec<Queued>) {
+    async fn send_batch(self: &Arc<Self>, node: Option<&NodeTarget>, mut batch: Vec<Queued>) {
         if node.is_some() && !self.node_batches() {
             // Node subjects were refused since this batch queued for one.
             batch.into_iter().for_each(|q| self.resend(q));
@@ -605,13 +605,18 @@ impl Inner {
         }
         // A call with less than a millisecond left would go with a budget of
         // 0, which the node refuses as expired: its timeout, told here.
-        let (mut batch, expired): (Vec<Queued>, Vec<Queued>) =
-            batch.into_iter().partition(|q| budget_ms(q.deadline) > 0);
-        for q in expired {
-            let _ = q.reply.send(Err(StoreError::Timeout(Duration::ZERO)));
-        }
-        if batch.is_empty() {
-            return;
+        let now = Instant::now();
+        let timely =
+            |q: &Queued| q.deadline.saturating_duration_since(now) >= Duration::from_millis(1);
+        if !batch.iter().all(timely) {
+            let expired;
+            (batch, expired) = batch.into_iter().partition(timely);
+            for q in expired {
+                let _ = q.reply.send(Err(StoreError::Timeout(Duration::ZERO)));
+            }
+            if batch.is_empty() {
+                return;
+            }
         }
         if batch.len() == 1 {
             if let Some(q) = batch.pop() {

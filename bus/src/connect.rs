@@ -102,6 +102,30 @@ impl NatsOptions {
         }
     }
 
+    /// Every mistake these settings can hold, found without connecting: a
+    /// process can refuse them at start rather than fail when it connects.
+    pub fn validate(&self) -> Result<(), ConnectError> {
+        self.server_addrs()?;
+        if self.user.is_some() != self.password.is_some() {
+            return Err(ConnectError::HalfCredentials);
+        }
+        if self.tls_cert.is_some() != self.tls_key.is_some() {
+            return Err(ConnectError::HalfClientCert);
+        }
+        if let Some(path) = &self.creds_file {
+            std::fs::File::open(path).map_err(|source| ConnectError::CredsFile {
+                path: path.clone(),
+                source,
+            })?;
+        }
+        match &self.inbox_prefix {
+            Some(prefix) if !is_subject_prefix(prefix) => {
+                Err(ConnectError::BadInboxPrefix(prefix.clone()))
+            }
+            _ => Ok(()),
+        }
+    }
+
     fn server_addrs(&self) -> Result<Vec<async_nats::ServerAddr>, ConnectError> {
         if self.servers.is_empty() {
             return Err(ConnectError::NoServers);
@@ -118,14 +142,11 @@ impl NatsOptions {
             .collect()
     }
 
+    /// The client's options, for settings that passed [`NatsOptions::validate`].
     async fn connect_options(&self) -> Result<async_nats::ConnectOptions, ConnectError> {
         let mut opts = async_nats::ConnectOptions::new();
-        match (&self.user, &self.password) {
-            (Some(user), Some(pass)) => {
-                opts = opts.user_and_password(user.clone(), pass.clone());
-            }
-            (None, None) => {}
-            _ => return Err(ConnectError::HalfCredentials),
+        if let (Some(user), Some(pass)) = (&self.user, &self.password) {
+            opts = opts.user_and_password(user.clone(), pass.clone());
         }
         if let Some(token) = &self.token {
             opts = opts.token(token.clone());
@@ -145,20 +166,13 @@ impl NatsOptions {
         if let Some(ca) = &self.tls_ca {
             opts = opts.add_root_certificates(ca.clone());
         }
-        match (&self.tls_cert, &self.tls_key) {
-            (Some(cert), Some(key)) => {
-                opts = opts.add_client_certificate(cert.clone(), key.clone());
-            }
-            (None, None) => {}
-            _ => return Err(ConnectError::HalfClientCert),
+        if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
+            opts = opts.add_client_certificate(cert.clone(), key.clone());
         }
         if let Some(name) = &self.name {
             opts = opts.name(name);
         }
         if let Some(prefix) = &self.inbox_prefix {
-            if !is_subject_prefix(prefix) {
-                return Err(ConnectError::BadInboxPrefix(prefix.clone()));
-            }
             opts = opts.custom_inbox_prefix(prefix.as_str());
         }
         let max_delay = Duration::from_millis(self.max_reconnect_delay_ms.max(10));
@@ -187,6 +201,7 @@ impl NatsOptions {
         &self,
         on_event: impl Fn(async_nats::Event) + Send + Sync + 'static,
     ) -> Result<async_nats::Client, ConnectError> {
+        self.validate()?;
         let addrs = self.server_addrs()?;
         let on_event = std::sync::Arc::new(on_event);
         let opts = self.connect_options().await?.event_callback(move |event| {

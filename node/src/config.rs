@@ -13,6 +13,10 @@ use serde::{Deserialize, Serialize};
 
 /// More worker threads than any host has cores: a typo, not a setting.
 const MAX_WORKER_THREADS: usize = 1024;
+/// The least a KV call of the ownership loop may wait (see `validate`).
+const MIN_KV_WAIT_MS: u64 = 250;
+/// The shortest renewal period.
+const MIN_RENEW_MS: u64 = 100;
 
 /// How a node decides which shards it serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
@@ -154,6 +158,95 @@ fn default_node_id() -> String {
     }
 }
 
+/// How to reach NATS: flags and `ANKUSA_NATS*` variables shared by the node
+/// (over its file) and the `ankusa` CLI, so that one environment serves both.
+#[derive(Debug, Clone, Default, Args)]
+pub struct NatsArgs {
+    /// NATS server URL; repeat or comma-separate for a cluster [default: nats://127.0.0.1:4222]
+    #[arg(
+        long = "nats",
+        env = "ANKUSA_NATS",
+        value_delimiter = ',',
+        global = true
+    )]
+    pub nats_servers: Vec<String>,
+    /// NATS user (with --nats-password)
+    #[arg(long, env = "ANKUSA_NATS_USER", global = true)]
+    pub nats_user: Option<String>,
+    /// NATS password
+    #[arg(
+        long,
+        env = "ANKUSA_NATS_PASSWORD",
+        hide_env_values = true,
+        global = true
+    )]
+    pub nats_password: Option<String>,
+    /// NATS token
+    #[arg(long, env = "ANKUSA_NATS_TOKEN", hide_env_values = true, global = true)]
+    pub nats_token: Option<String>,
+    /// NATS credentials file (.creds)
+    #[arg(long, env = "ANKUSA_NATS_CREDS", global = true)]
+    pub nats_creds: Option<PathBuf>,
+    /// CA certificate (PEM) to verify the NATS server
+    #[arg(long, env = "ANKUSA_NATS_TLS_CA", global = true)]
+    pub nats_tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM), with --nats-tls-key, for servers that verify clients
+    #[arg(long, env = "ANKUSA_NATS_TLS_CERT", global = true)]
+    pub nats_tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --nats-tls-cert
+    #[arg(long, env = "ANKUSA_NATS_TLS_KEY", global = true)]
+    pub nats_tls_key: Option<PathBuf>,
+    /// Refuse a NATS connection that is not TLS
+    #[arg(long, env = "ANKUSA_NATS_REQUIRE_TLS", global = true)]
+    pub nats_require_tls: Option<bool>,
+    /// Inbox prefix for the answers to this process's requests instead of `_INBOX`
+    #[arg(long, env = "ANKUSA_NATS_INBOX_PREFIX", global = true)]
+    pub nats_inbox_prefix: Option<String>,
+    /// NATS nkey seed (`SU...`) to authenticate with
+    #[arg(
+        long,
+        env = "ANKUSA_NATS_NKEY_SEED",
+        hide_env_values = true,
+        global = true
+    )]
+    pub nats_nkey_seed: Option<String>,
+}
+
+impl NatsArgs {
+    /// Sets in `nats` each option given.
+    pub fn apply_to(&self, nats: &mut NatsOptions) {
+        if !self.nats_servers.is_empty() {
+            nats.servers = self.nats_servers.clone();
+        }
+        let paths = [
+            (&mut nats.creds_file, &self.nats_creds),
+            (&mut nats.tls_ca, &self.nats_tls_ca),
+            (&mut nats.tls_cert, &self.nats_tls_cert),
+            (&mut nats.tls_key, &self.nats_tls_key),
+        ];
+        for (setting, given) in paths {
+            if given.is_some() {
+                setting.clone_from(given);
+            }
+        }
+        let texts = [
+            (&mut nats.user, &self.nats_user),
+            (&mut nats.password, &self.nats_password),
+            (&mut nats.token, &self.nats_token),
+            (&mut nats.inbox_prefix, &self.nats_inbox_prefix),
+            (&mut nats.nkey_seed, &self.nats_nkey_seed),
+        ];
+        for (setting, given) in texts {
+            if given.is_some() {
+                setting.clone_from(given);
+            }
+        }
+        if let Some(require_tls) = self.nats_require_tls {
+            nats.require_tls = require_tls;
+        }
+    }
+}
+
 /// Flags and `ANKUSA_*` variables; each one set overrides the file.
 #[derive(Debug, Clone, Default, Args)]
 pub struct Overrides {
@@ -169,39 +262,8 @@ pub struct Overrides {
     /// fleet: share shards through KV leases and persist to KV; standalone: serve all shards in memory [default: fleet]
     #[arg(long, env = "ANKUSA_MODE", value_enum)]
     pub mode: Option<Mode>,
-    /// NATS server URL; repeat or comma-separate for a cluster [default: nats://127.0.0.1:4222]
-    #[arg(long = "nats", env = "ANKUSA_NATS", value_delimiter = ',')]
-    pub nats_servers: Vec<String>,
-    /// NATS user (with --nats-password)
-    #[arg(long, env = "ANKUSA_NATS_USER")]
-    pub nats_user: Option<String>,
-    /// NATS password
-    #[arg(long, env = "ANKUSA_NATS_PASSWORD", hide_env_values = true)]
-    pub nats_password: Option<String>,
-    /// NATS token
-    #[arg(long, env = "ANKUSA_NATS_TOKEN", hide_env_values = true)]
-    pub nats_token: Option<String>,
-    /// NATS credentials file (.creds)
-    #[arg(long, env = "ANKUSA_NATS_CREDS")]
-    pub nats_creds: Option<PathBuf>,
-    /// CA certificate (PEM) to verify the NATS server
-    #[arg(long, env = "ANKUSA_NATS_TLS_CA")]
-    pub nats_tls_ca: Option<PathBuf>,
-    /// Client certificate (PEM), with --nats-tls-key, for servers that verify clients
-    #[arg(long, env = "ANKUSA_NATS_TLS_CERT")]
-    pub nats_tls_cert: Option<PathBuf>,
-    /// Private key (PEM) of --nats-tls-cert
-    #[arg(long, env = "ANKUSA_NATS_TLS_KEY")]
-    pub nats_tls_key: Option<PathBuf>,
-    /// Refuse a NATS connection that is not TLS
-    #[arg(long, env = "ANKUSA_NATS_REQUIRE_TLS")]
-    pub nats_require_tls: Option<bool>,
-    /// Inbox prefix for the node's own requests (JetStream) instead of `_INBOX`
-    #[arg(long, env = "ANKUSA_NATS_INBOX_PREFIX")]
-    pub nats_inbox_prefix: Option<String>,
-    /// NATS nkey seed (`SU...`) to authenticate with
-    #[arg(long, env = "ANKUSA_NATS_NKEY_SEED", hide_env_values = true)]
-    pub nats_nkey_seed: Option<String>,
+    #[command(flatten)]
+    pub nats: NatsArgs,
     /// KV bucket replicas (3 on a 3-server cluster) [default: 1]
     #[arg(long, env = "ANKUSA_KV_REPLICAS")]
     pub kv_replicas: Option<usize>,
@@ -295,37 +357,7 @@ impl NodeConfig {
         set(&mut self.node_id, &o.node_id);
         set(&mut self.shards, &o.shards);
         set(&mut self.mode, &o.mode);
-        if !o.nats_servers.is_empty() {
-            self.nats.servers = o.nats_servers.clone();
-        }
-        if o.nats_user.is_some() {
-            self.nats.user = o.nats_user.clone();
-        }
-        if o.nats_password.is_some() {
-            self.nats.password = o.nats_password.clone();
-        }
-        if o.nats_token.is_some() {
-            self.nats.token = o.nats_token.clone();
-        }
-        if o.nats_creds.is_some() {
-            self.nats.creds_file = o.nats_creds.clone();
-        }
-        if o.nats_tls_ca.is_some() {
-            self.nats.tls_ca = o.nats_tls_ca.clone();
-        }
-        if o.nats_tls_cert.is_some() {
-            self.nats.tls_cert = o.nats_tls_cert.clone();
-        }
-        if o.nats_tls_key.is_some() {
-            self.nats.tls_key = o.nats_tls_key.clone();
-        }
-        set(&mut self.nats.require_tls, &o.nats_require_tls);
-        if o.nats_inbox_prefix.is_some() {
-            self.nats.inbox_prefix = o.nats_inbox_prefix.clone();
-        }
-        if o.nats_nkey_seed.is_some() {
-            self.nats.nkey_seed = o.nats_nkey_seed.clone();
-        }
+        o.nats.apply_to(&mut self.nats);
         set(&mut self.kv_replicas, &o.kv_replicas);
         set(&mut self.lease_ttl_ms, &o.lease_ttl_ms);
         set(&mut self.lease_margin_ms, &o.lease_margin_ms);
@@ -364,6 +396,9 @@ impl NodeConfig {
         if self.nats.servers.is_empty() {
             return Err(invalid("nats.servers", "at least one NATS URL is needed"));
         }
+        self.nats
+            .validate()
+            .map_err(|e| invalid("nats", e.to_string()))?;
         if !(1..=5).contains(&self.kv_replicas) {
             return Err(invalid("kv_replicas", "must be 1 to 5"));
         }
@@ -386,9 +421,32 @@ impl NodeConfig {
                 ),
             ));
         }
-        if self.lease_renew_ms == 0 || self.write_behind_ms == 0 || self.sweep_every_ms == 0 {
+        // Each KV call of a round (heartbeat, renewal, take) waits at most
+        // half of what the renewal period and the margin leave of the TTL:
+        // less than this fails on a healthy replicated bucket, and the node
+        // would never read the server's time, or lose its leases to one slow ack.
+        let slack = self.lease_ttl_ms - self.lease_margin_ms - self.lease_renew_ms;
+        if slack < 2 * MIN_KV_WAIT_MS {
             return Err(invalid(
-                "lease_renew_ms/write_behind_ms/sweep_every_ms",
+                "lease_renew_ms",
+                format!(
+                    "lease_ttl_ms − lease_margin_ms − lease_renew_ms is {slack} ms; it must be at least {} ms, since half of it bounds each KV call of a round",
+                    2 * MIN_KV_WAIT_MS
+                ),
+            ));
+        }
+        if self.lease_renew_ms < MIN_RENEW_MS {
+            return Err(invalid(
+                "lease_renew_ms",
+                format!(
+                    "{} is below {MIN_RENEW_MS}: every round renews every lease and heartbeats",
+                    self.lease_renew_ms
+                ),
+            ));
+        }
+        if self.write_behind_ms == 0 || self.sweep_every_ms == 0 {
+            return Err(invalid(
+                "write_behind_ms/sweep_every_ms",
                 "periods must be above 0",
             ));
         }
@@ -508,6 +566,36 @@ mod tests {
             ..Default::default()
         })
         .contains("worker_threads"));
+        // Timings that pass the sum but leave a KV call no time to answer.
+        let starved = bad(Overrides {
+            lease_ttl_ms: Some(2_000),
+            lease_renew_ms: Some(1_000),
+            lease_margin_ms: Some(999),
+            ..Default::default()
+        });
+        assert!(starved.contains("bounds each KV call"), "{starved}");
+        let hasty = bad(Overrides {
+            lease_renew_ms: Some(1),
+            ..Default::default()
+        });
+        assert!(hasty.contains("below 100"), "{hasty}");
+        // NATS settings that could never connect are refused with the rest.
+        let half = bad(Overrides {
+            nats: NatsArgs {
+                nats_user: Some("ankusa-node".into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        });
+        assert!(half.contains("`user` and `password` go together"), "{half}");
+        let creds = bad(Overrides {
+            nats: NatsArgs {
+                nats_creds: Some("/nonexistent/ankusa.creds".into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        });
+        assert!(creds.contains("credentials file"), "{creds}");
         // A margin so large that the sum would wrap to a small one.
         let margin = bad(Overrides {
             lease_margin_ms: Some(u64::MAX),

@@ -92,9 +92,9 @@ fn leave_bound(config: &NodeConfig) -> Duration {
     (3 * config.lease_ttl()).max(Duration::from_secs(10))
 }
 
-/// The longest a shard's load from KV may take before the lease is given back
-/// and the load tried again.
-const LOAD_BOUND: Duration = Duration::from_secs(30);
+/// The most a round's step other than a load takes (a load shows its progress
+/// to the health check as it goes).
+const STEP_BOUND: Duration = Duration::from_secs(30);
 
 /// A lease this node holds.
 struct Held {
@@ -136,28 +136,43 @@ impl Fleet {
             .collect()
     }
 
-    async fn heartbeat(&mut self) {
+    /// Writes this node's heartbeat, reading the server's time from its ack;
+    /// whether it was written.
+    async fn beat(&mut self) -> bool {
         let beat = Heartbeat {
             node: self.config.node_id.clone(),
             started_ms: self.started_ms,
             http: self.config.http_addr.map(|a| a.to_string()),
             claim_log_format: claimlog::NODE_LOG_FORMAT,
             incarnation: self.kv.incarnation(),
+            shards: self.config.shards,
         };
         // No longer than a renewal waits, so that the next round renews in time.
         let bound = renewal_wait(&self.config);
         let sent_us = self.time.now_us();
         let beat = within(bound, self.kv.heartbeat(&beat, self.config.lease_ttl())).await;
-        match &beat {
-            Ok(revision) => self.read_time(*revision, sent_us).await,
-            Err(err) => tracing::warn!(error = %err, "heartbeat failed"),
+        match beat {
+            Ok(revision) => {
+                self.read_time(revision, sent_us).await;
+                true
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, "heartbeat failed");
+                false
+            }
         }
+    }
+
+    /// Heartbeats, then brings the view of the live nodes up to date.
+    async fn heartbeat(&mut self) {
+        let beaten = self.beat().await;
+        let bound = renewal_wait(&self.config);
         let nodes = match self.membership.live(self.config.lease_ttl()) {
             Some(nodes) => Ok(nodes),
             // The listing reads the bucket the heartbeat could not write: in an
             // outage it would wait out its bound too, every round. Keep the
             // last view.
-            None if beat.is_err() => return,
+            None if !beaten => return,
             None => {
                 self.renew_if_due().await;
                 metrics::counter!("ankusa_membership_listings_total").increment(1);
@@ -463,20 +478,28 @@ impl Fleet {
         waiting && !kv_failing
     }
 
-    /// Loads `shards` from KV within [`LOAD_BOUND`], renewing the held leases
-    /// meanwhile (a load may take longer than a lease).
+    /// Loads `shards` from KV (within the bound the bucket's size gives it,
+    /// [`ankusa_bus::kv::load_bound`]), renewing the held leases and the
+    /// heartbeat meanwhile: a load may take longer than a lease.
     async fn load_renewing(
         &mut self,
         shards: &[u32],
     ) -> Result<HashMap<u32, Vec<TenantSnapshot>>, KvError> {
         let renew_every = Duration::from_millis(self.config.lease_renew_ms);
         let kv = self.kv.clone();
-        let load = within(LOAD_BOUND, kv.load_shards(shards));
+        let load = kv.load_shards(shards);
         tokio::pin!(load);
         loop {
             tokio::select! {
                 loaded = &mut load => return loaded,
-                _ = tokio::time::sleep(renew_every) => self.renew().await,
+                _ = tokio::time::sleep(renew_every) => {
+                    // The heartbeat too: a load longer than a TTL would
+                    // otherwise have the other nodes count this one gone.
+                    self.renew().await;
+                    self.beat().await;
+                    // A long load is the loop at work, not stuck.
+                    self.health.round_done(self.round_stall_bound());
+                }
             }
         }
     }
@@ -494,6 +517,12 @@ impl Fleet {
             )
             .await;
         }
+    }
+
+    /// How long the loop may go without finishing a round (or showing a
+    /// load's progress) before it counts as stuck.
+    fn round_stall_bound(&self) -> Duration {
+        3 * self.config.lease_ttl() + 2 * STEP_BOUND
     }
 
     /// One full round: renew, heartbeat, hand back, take.
@@ -514,8 +543,7 @@ impl Fleet {
         self.health.set_shards(self.held.len(), targets.len());
         // A round is bounded (every KV call in it is); several missed in a row
         // mean the loop is stuck.
-        self.health
-            .round_done(3 * self.config.lease_ttl() + 2 * LOAD_BOUND);
+        self.health.round_done(self.round_stall_bound());
         waiting
     }
 
@@ -656,6 +684,7 @@ pub async fn run(
     let renew_every = Duration::from_millis(config.lease_renew_ms);
     // How long a stop waits for the round under way.
     let finish_grace = config.lease_ttl();
+    let stopping_health = health.clone();
     let mut fleet = Fleet {
         started_ms: ankusa_bus::kv::now_unix_ms(),
         last_renew: Instant::now(),
@@ -710,6 +739,9 @@ pub async fn run(
             tokio::select! {
                 _ = &mut work => false,
                 _ = &mut shutdown => {
+                    // Not ready from the signal on, while the step under way
+                    // finishes: a load balancer stops sending here first.
+                    stopping_health.set_shutting_down();
                     let _ = tokio::time::timeout(finish_grace, &mut work).await;
                     true
                 }

@@ -183,6 +183,7 @@ mod tests {
                 http: None,
                 claim_log_format: 2,
                 incarnation,
+                shards: 16,
             }),
             caught_up: true,
         }

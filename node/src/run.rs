@@ -93,7 +93,10 @@ pub fn runtime(config: &NodeConfig) -> std::io::Result<tokio::runtime::Runtime> 
 }
 
 /// Runs a node until `shutdown` resolves, then hands its shards back.
-pub async fn run(config: NodeConfig, shutdown: impl Future<Output = ()>) -> Result<(), NodeError> {
+pub async fn run(
+    mut config: NodeConfig,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), NodeError> {
     let health = Arc::new(Health::default());
     if let Some(addr) = config.http_addr {
         let handle = crate::http::install_recorder().map_err(NodeError::Metrics)?;
@@ -102,6 +105,8 @@ pub async fn run(config: NodeConfig, shutdown: impl Future<Output = ()>) -> Resu
             .await
             .map_err(|source| NodeError::Http { addr, source })?;
         tracing::info!(%bound, "serving /metrics, /healthz, /readyz");
+        // What the heartbeat advertises: with port 0, the one the system chose.
+        config.http_addr = Some(bound);
     }
     let mut nats = config.nats.clone();
     nats.name

@@ -38,6 +38,16 @@ pub const WARN_OFFSET: Duration = Duration::from_secs(1);
 /// has not set its clock gives up and serves by its host's.
 pub const UNREADABLE_ROUNDS: u32 = 3;
 
+/// The widest reading (write to read-back) that sets a clock not set yet:
+/// its midpoint is off by at most half of it. A wider one (a stream's leader
+/// election at start, say) waits for a narrower, at most [`WIDE_ROUNDS`]
+/// heartbeats, then the narrowest seen sets the clock. Once the node serves,
+/// its clock only slews, 40 minutes for a second's error.
+pub const SET_SPAN: Duration = Duration::from_millis(100);
+
+/// Heartbeats whose reading was too wide that a clock not set yet waits out.
+pub const WIDE_ROUNDS: u32 = 3;
+
 /// One heartbeat's times: this node's clock before writing it and after
 /// reading it back, and the server's when it stored it (all unix µs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,6 +99,10 @@ pub struct TimeKeeper {
     last_reading: Option<Instant>,
     /// Heartbeats in a row whose time could not be read.
     unreadable: u32,
+    /// Before the clock is set: the narrowest reading too wide to set it,
+    /// and how many there were.
+    narrowest: Option<Reading>,
+    wide: u32,
 }
 
 impl TimeKeeper {
@@ -99,6 +113,8 @@ impl TimeKeeper {
             warned: false,
             last_reading: None,
             unreadable: 0,
+            narrowest: None,
+            wide: 0,
         }
     }
 
@@ -115,6 +131,25 @@ impl TimeKeeper {
     /// Takes in a heartbeat's reading, at `now`; `serving` says whether the
     /// node answers for any shard (then the clock may only slew).
     pub fn take(&mut self, reading: Reading, serving: bool, now: Instant) {
+        let reading = if !self.set && !serving {
+            let span = |r: &Reading| r.read_us.saturating_sub(r.sent_us);
+            let narrowest = match self.narrowest {
+                Some(kept) if span(&kept) < span(&reading) => kept,
+                _ => reading,
+            };
+            if span(&narrowest) > SET_SPAN.as_micros() as u64 && self.wide < WIDE_ROUNDS {
+                // The host's clock has not moved since a kept reading was
+                // made, so its offset still holds when it is used later.
+                self.narrowest = Some(narrowest);
+                self.wide += 1;
+                self.last_reading = Some(now);
+                self.unreadable = 0;
+                return;
+            }
+            narrowest
+        } else {
+            reading
+        };
         let offset = reading.offset_us();
         metrics::gauge!("ankusa_clock_offset_seconds").set(offset as f64 / 1e6);
         if !serving && (!self.set || reading.proven_us() != 0) {
@@ -211,6 +246,48 @@ mod tests {
         assert!(
             now.abs_diff(server_now) < 100_000,
             "{now} against {server_now}"
+        );
+    }
+
+    #[test]
+    fn a_wide_reading_waits_for_a_narrower_one_to_set_the_clock() {
+        let server_now = 1_800_000_000_000_000;
+        let clock = Arc::new(AnchoredClock::starting_at(server_now + HOUR_US));
+        let mut keeper = TimeKeeper::new(clock.clone());
+        // 2.4 s from the write to the read-back, the stamp early in it: a
+        // midpoint 1.2 s off.
+        let wide = |server_us| reading(&clock, server_us, 2_400_000);
+        keeper.take(wide(clock.now_us() - HOUR_US), false, Instant::now());
+        assert!(!keeper.is_set(), "set from a reading 2.4 s wide");
+        keeper.take(
+            reading(&clock, clock.now_us() - HOUR_US + 500, 1_000),
+            false,
+            Instant::now(),
+        );
+        assert!(keeper.is_set());
+        let off = clock.now_us().abs_diff(server_now);
+        assert!(off < 100_000, "off by {off} µs");
+        // Readings that stay wide: after a few, the narrowest of them.
+        let clock = Arc::new(AnchoredClock::starting_at(server_now + HOUR_US));
+        let mut keeper = TimeKeeper::new(clock.clone());
+        for span_us in [3_000_000, 900_000, 2_000_000] {
+            keeper.take(
+                reading(&clock, clock.now_us() - HOUR_US, span_us),
+                false,
+                Instant::now(),
+            );
+            assert!(!keeper.is_set());
+        }
+        keeper.take(
+            reading(&clock, clock.now_us() - HOUR_US, 2_500_000),
+            false,
+            Instant::now(),
+        );
+        assert!(keeper.is_set(), "never set");
+        let off = clock.now_us().abs_diff(server_now);
+        assert!(
+            (400_000..600_000).contains(&off),
+            "off by {off} µs, not the 0.9 s reading's half"
         );
     }
 

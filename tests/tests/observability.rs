@@ -136,23 +136,28 @@ async fn metrics_health_and_readiness() {
 
 /// `ankusa status --json` against the instance of `node`, bounded at 20 s.
 async fn fleet_status(nats: &NatsServer, node: &NodeProcess) -> serde_json::Value {
-    let run = tokio::process::Command::new(cargo_bin("ankusa"))
-        .args(["--nats", &nats.url(), "--instance", &node.spec.instance])
-        .args(["--shards", &node.spec.shards.to_string()])
-        .args(["status", "--json"])
-        .env_remove("ANKUSA_NATS")
-        .kill_on_drop(true)
-        .output();
-    let out = tokio::time::timeout(Duration::from_secs(20), run)
-        .await
-        .expect("`ankusa status` answers within 20 s")
-        .expect("ankusa runs");
+    let out = run_status(nats, node, node.spec.shards).await;
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).expect("`status --json` prints JSON")
+}
+
+/// `ankusa status --json` with `--shards shards`.
+async fn run_status(nats: &NatsServer, node: &NodeProcess, shards: u32) -> std::process::Output {
+    let run = tokio::process::Command::new(cargo_bin("ankusa"))
+        .args(["--nats", &nats.url(), "--instance", &node.spec.instance])
+        .args(["--shards", &shards.to_string()])
+        .args(["status", "--json"])
+        .env_remove("ANKUSA_NATS")
+        .kill_on_drop(true)
+        .output();
+    tokio::time::timeout(Duration::from_secs(20), run)
+        .await
+        .expect("`ankusa status` answers within 20 s")
+        .expect("ankusa runs")
 }
 
 /// Each listed node's name, with its leased shards.
@@ -228,6 +233,15 @@ async fn status_shows_the_shard_map_each_nodes_gauges_and_a_silent_node() {
             "{node:#}"
         );
     }
+
+    // Asked with another shard count than the nodes', it says so rather than
+    // draw a map that leaves shards out.
+    let wrong = run_status(&nats, &first, 64).await;
+    let said = String::from_utf8_lossy(&wrong.stderr);
+    assert!(
+        !wrong.status.success() && said.contains("serves 16 shards, not --shards 64"),
+        "{wrong:?}"
+    );
 
     // A stopped process: its heartbeat still stands, its endpoint is silent.
     second.pause().expect("pause node b");

@@ -113,6 +113,10 @@ pub struct Heartbeat {
     /// processes given the same node id apart; 0 from earlier releases.
     #[serde(default)]
     pub incarnation: u64,
+    /// The instance's shard count the node serves by; 0 from earlier
+    /// releases. `ankusa status` checks its own against it.
+    #[serde(default)]
+    pub shards: u32,
 }
 
 /// A change to the heartbeats, as a watch of them delivers it.
@@ -200,6 +204,19 @@ fn request_err(e: impl std::fmt::Display) -> KvError {
 /// after the stream is back; failing the load lets the caller retry it on a
 /// fresh reader, while a load that streams messages is never cut short.
 const LOAD_IDLE: Duration = Duration::from_secs(5);
+
+/// How long a whole shard load may read: a base, and the state bucket's bytes
+/// at 10 MB/s, so that a bucket of millions of claims is read to its end
+/// rather than cut off, and started again, every time. Every load reads the
+/// whole bucket.
+pub fn load_bound(bucket_bytes: u64) -> Duration {
+    const BASE: Duration = Duration::from_secs(30);
+    BASE + Duration::from_millis(bucket_bytes / (LOAD_BYTES_PER_SEC / 1_000))
+}
+
+/// The slowest read a load is given time for: a tenth of what one nats-server
+/// on the benchmarks' 2-vCPU host delivered to a load.
+const LOAD_BYTES_PER_SEC: u64 = 10_000_000;
 
 /// Runs one KV call within `bound`. A call on a connection that dropped
 /// midway (a key listing, an ordered consumer) may never finish; it fails
@@ -674,54 +691,68 @@ impl FleetKv {
             return Ok(state.finish(self.now_us()));
         }
         let now_us = self.now_us();
-        let mut messages = load_step(consumer.messages()).await?;
-        while let Some(message) = within(LOAD_IDLE, messages.next().map(Ok::<_, KvError>)).await? {
-            let message = message.map_err(request_err)?;
-            // Without it the load cannot tell whether this was the last
-            // message, and stopping here would serve a partial replay: claims
-            // missing, committed ones among them. The caller retries a failed load.
-            let info = message.info().map_err(|e| {
-                KvError::Request(format!(
-                    "a state bucket message came without its delivery info ({e}), so the load \
+        let bound = load_bound(stream.cached_info().state.bytes);
+        let read = within(bound, async {
+            let mut messages = load_step(consumer.messages()).await?;
+            while let Some(message) =
+                within(LOAD_IDLE, messages.next().map(Ok::<_, KvError>)).await?
+            {
+                let message = message.map_err(request_err)?;
+                // Without it the load cannot tell whether this was the last
+                // message, and stopping here would serve a partial replay: claims
+                // missing, committed ones among them. The caller retries a failed load.
+                let info = message.info().map_err(|e| {
+                    KvError::Request(format!(
+                        "a state bucket message came without its delivery info ({e}), so the load \
                      cannot tell whether it has read every message"
-                ))
-            })?;
-            // An ordered consumer may be recreated under a new name midway.
-            if info.consumer != reader {
-                reader = info.consumer.to_string();
-            }
-            let left = info.pending;
-            let is_value = message
-                .headers
-                .as_ref()
-                .map(|h| {
-                    h.get("KV-Operation").is_none() && h.get(header::NATS_MARKER_REASON).is_none()
-                })
-                .unwrap_or(true);
-            if is_value && !message.payload.is_empty() {
-                let key = message
-                    .subject
-                    .strip_prefix(prefix.as_str())
-                    .unwrap_or_default();
-                match replay_value(&mut state, key, &message.payload, now_us) {
-                    Ok(()) => {}
-                    // Skipped, not fatal: every load reads every message, so
-                    // one unreadable message (garbage from anyone who may
-                    // write the bucket, a bug) would stop every shard load of
-                    // the fleet until its TTL ran out. Skipping keeps "never
-                    // Duplicate for a hook that was not committed": a message
-                    // not read can only take away what it held (commits, whose
-                    // hooks may then be delivered twice; releases; bucket
-                    // TATs and resets), and nothing it held can commit a claim.
-                    Err(KvError::Corrupt { key, reason }) => skip_unreadable(&key, &reason),
-                    Err(err) => return Err(err),
+                    ))
+                })?;
+                // An ordered consumer may be recreated under a new name midway.
+                if info.consumer != reader {
+                    reader = info.consumer.to_string();
+                }
+                let left = info.pending;
+                let is_value = message
+                    .headers
+                    .as_ref()
+                    .map(|h| {
+                        h.get("KV-Operation").is_none()
+                            && h.get(header::NATS_MARKER_REASON).is_none()
+                    })
+                    .unwrap_or(true);
+                if is_value && !message.payload.is_empty() {
+                    let key = message
+                        .subject
+                        .strip_prefix(prefix.as_str())
+                        .unwrap_or_default();
+                    match replay_value(&mut state, key, &message.payload, now_us) {
+                        Ok(()) => {}
+                        // Skipped, not fatal: every load reads every message, so
+                        // one unreadable message (garbage from anyone who may
+                        // write the bucket, a bug) would stop every shard load of
+                        // the fleet until its TTL ran out. Skipping keeps "never
+                        // Duplicate for a hook that was not committed": a message
+                        // not read can only take away what it held (commits, whose
+                        // hooks may then be delivered twice; releases; bucket
+                        // TATs and resets), and nothing it held can commit a claim.
+                        Err(KvError::Corrupt { key, reason }) => skip_unreadable(&key, &reason),
+                        Err(err) => return Err(err),
+                    }
+                }
+                if left == 0 {
+                    return Ok(());
                 }
             }
-            if left == 0 {
-                break;
-            }
-        }
+            // The consumer's stream ended before its last message (its
+            // subscription closed): serving what was read would serve a partial
+            // replay, committed claims missing.
+            Err(KvError::Request(
+                "the load's messages ended before the last one; the load is retried".into(),
+            ))
+        })
+        .await;
         let _ = stream.delete_consumer(&reader).await;
+        read?;
         Ok(state.finish(now_us))
     }
 }
@@ -976,6 +1007,13 @@ mod tests {
         assert_eq!(state.finish(1)[&3], Vec::new());
     }
 
+    #[test]
+    fn a_load_is_given_time_for_the_whole_bucket() {
+        assert_eq!(load_bound(0), Duration::from_secs(30));
+        // A gigabyte: 10 million claims or so.
+        assert_eq!(load_bound(1_000_000_000), Duration::from_secs(130));
+    }
+
     fn beat(node: &str, claim_log_format: u32) -> Heartbeat {
         Heartbeat {
             node: node.into(),
@@ -983,6 +1021,7 @@ mod tests {
             http: None,
             claim_log_format,
             incarnation: 7,
+            shards: 64,
         }
     }
 
@@ -1005,6 +1044,7 @@ mod tests {
             read,
             Heartbeat {
                 incarnation: 0,
+                shards: 0,
                 ..beat("old", 0)
             }
         );

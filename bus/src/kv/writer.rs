@@ -26,6 +26,7 @@ use crate::lock;
 use crate::persist::PersistError;
 use crate::replies::Inbox;
 use crate::responder::ServeWindow;
+use crate::store::StoreError;
 
 /// Who waits for the changes it submitted together: answered once every
 /// message holding one of them is acknowledged, with the first failure if
@@ -552,7 +553,7 @@ async fn send_next(
     }
 }
 
-/// How long a log message's ack is awaited: the only bound on it. A message
+/// How long a log message's publish, then its ack, is awaited. A message
 /// whose ack was lost (its connection dropped, its server restarted) would
 /// otherwise hold its log for good (with `async_nats`'s publish, which this
 /// loop no longer uses, for its context's 5 s): every later change of the
@@ -569,7 +570,13 @@ async fn publish_log_message(
     waiters: Vec<Done>,
     log: LogId,
 ) -> BoxFuture<'static, LogId> {
-    let published = write.send(inbox).await;
+    // The publish is bounded too: async-nats holds it while the connection
+    // reconnects or its write buffer is full, and this loop would stop taking
+    // changes and acks meanwhile, and send the message late, after another
+    // node may have loaded its shards.
+    let published = tokio::time::timeout(ACK_WAIT, write.send(inbox))
+        .await
+        .unwrap_or(Err(StoreError::Timeout(ACK_WAIT)));
     let sent = std::time::Instant::now();
     async move {
         let result = acked(published, ACK_WAIT)

@@ -8,8 +8,9 @@
 //!   [`FleetKv::load_shard`] timed — what a node taking the shard over waits
 //!   before it serves. Target: < 2 s.
 //!
-//! Both use a scratch instance of their own (`benchkv_<pid>`), never the
-//! fleet's buckets, and delete its buckets at the end.
+//! Both use a scratch instance of their own (`benchdurable_<pid>`,
+//! `benchrecovery_<pid>`), never the fleet's buckets, and delete its buckets
+//! at the end.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -26,6 +26,8 @@ use ankusa_bus::kv::KvError;
 use ankusa_bus::{FleetConfig, FleetStore, NatsOptions, StoreError};
 use clap::{Args, Parser, Subcommand};
 
+use crate::config::NatsArgs;
+
 /// Talk to an ankusa-fleet instance: single calls, its status, and benchmarks.
 ///
 /// Every option of the connection also reads an ANKUSA_* variable, as the
@@ -42,15 +44,8 @@ pub struct Cli {
 /// How to reach the instance; shared by every subcommand.
 #[derive(Debug, Clone, Args)]
 pub struct Global {
-    /// NATS server URL(s), comma-separated for a cluster
-    #[arg(
-        long = "nats",
-        env = "ANKUSA_NATS",
-        value_delimiter = ',',
-        default_value = "nats://127.0.0.1:4222",
-        global = true
-    )]
-    pub nats: Vec<String>,
+    #[command(flatten)]
+    pub nats: NatsArgs,
     /// Fleet instance name
     #[arg(
         long,
@@ -65,44 +60,16 @@ pub struct Global {
     /// Budget of each call, ms [default: 1000 for single calls, 250 per bench call]
     #[arg(long, env = "ANKUSA_TIMEOUT_MS", global = true)]
     pub timeout_ms: Option<u64>,
-    /// NATS user (with --nats-password)
-    #[arg(long, env = "ANKUSA_NATS_USER", global = true)]
-    pub nats_user: Option<String>,
-    /// NATS password
-    #[arg(
-        long,
-        env = "ANKUSA_NATS_PASSWORD",
-        hide_env_values = true,
-        global = true
-    )]
-    pub nats_password: Option<String>,
-    /// NATS token
-    #[arg(long, env = "ANKUSA_NATS_TOKEN", hide_env_values = true, global = true)]
-    pub nats_token: Option<String>,
-    /// NATS credentials file (.creds)
-    #[arg(long, env = "ANKUSA_NATS_CREDS", global = true)]
-    pub nats_creds: Option<PathBuf>,
-    /// CA certificate (PEM) to verify the NATS server
-    #[arg(long, env = "ANKUSA_NATS_TLS_CA", global = true)]
-    pub nats_tls_ca: Option<PathBuf>,
-    /// Inbox prefix for answers instead of `_INBOX`
-    #[arg(long, env = "ANKUSA_NATS_INBOX_PREFIX", global = true)]
-    pub nats_inbox_prefix: Option<String>,
 }
 
 impl Global {
     pub fn nats_options(&self) -> NatsOptions {
-        NatsOptions {
-            servers: self.nats.clone(),
+        let mut nats = NatsOptions {
             name: Some(format!("ankusa-cli {}", std::process::id())),
-            user: self.nats_user.clone(),
-            password: self.nats_password.clone(),
-            token: self.nats_token.clone(),
-            creds_file: self.nats_creds.clone(),
-            tls_ca: self.nats_tls_ca.clone(),
-            inbox_prefix: self.nats_inbox_prefix.clone(),
             ..NatsOptions::default()
-        }
+        };
+        self.nats.apply_to(&mut nats);
+        nats
     }
 
     /// The budget of a call, or `default` when none was given.

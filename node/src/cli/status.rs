@@ -86,7 +86,16 @@ pub async fn http_get(addr: &str, path: &str, timeout: Duration) -> Result<Strin
         }
         let text = String::from_utf8_lossy(&body).into_owned();
         match text.split_once("\r\n\r\n") {
-            Some((head, body)) if head.starts_with("HTTP/1.") && head.contains(" 200") => {
+            // The status line's code, not a " 200" anywhere in the head
+            // (a `Content-Length: 200` of an error page).
+            Some((head, body))
+                if head
+                    .lines()
+                    .next()
+                    .and_then(|status| status.split(' ').nth(1))
+                    == Some("200")
+                    && head.starts_with("HTTP/1.") =>
+            {
                 Ok(body.to_string())
             }
             Some((head, _)) => Err(format!(
@@ -158,6 +167,23 @@ pub async fn collect(global: &Global) -> Result<FleetStatus, CliError> {
     let kv = FleetKv::bind(client, &global.instance).await?;
     let beats: Vec<Heartbeat> = within(LISTING_BOUND, kv.live_nodes()).await?;
     let holders: HashMap<u32, String> = within(LISTING_BOUND, kv.lease_holders()).await?;
+    // A shard map drawn for the wrong shard count would call the shards it
+    // leaves out "owned": refused instead.
+    if let Some(beat) = beats
+        .iter()
+        .find(|beat| beat.shards != 0 && beat.shards != global.shards)
+    {
+        return Err(CliError::Usage(format!(
+            "node {} serves {} shards, not --shards {}: pass --shards {}",
+            beat.node, beat.shards, global.shards, beat.shards
+        )));
+    }
+    if let Some(shard) = holders.keys().filter(|&&s| s >= global.shards).max() {
+        return Err(CliError::Usage(format!(
+            "shard {shard} is leased, beyond --shards {}: pass the instance's shard count",
+            global.shards
+        )));
+    }
     let mut by_node: BTreeMap<String, Vec<u32>> = BTreeMap::new();
     for (shard, node) in &holders {
         by_node.entry(node.clone()).or_default().push(*shard);
