@@ -10,8 +10,11 @@
 //!
 //! - **The node log** ([`NODE_LOG_FORMAT`]), `m.<writer>.<seq>`: one log per
 //!   node, whatever shards its changes are for. A node writes it once every
-//!   live node says it reads it (its heartbeat's `claim_log_format`), so a node
-//!   of an earlier release never takes over a shard whose changes it cannot see.
+//!   live node says it reads it (its heartbeat's `claim_log_format`), so that
+//!   a node of an earlier release running beside it never takes over a shard
+//!   whose *new* changes it cannot see. One that joins later (a rollback, a
+//!   canary) cannot see the node-log messages written before it came: see
+//!   the upgrade notes in docs/operations.md.
 //! - **The group log** ([`GROUP_LOG_FORMAT`]), `l.<log>.<writer>.<seq>`: a log
 //!   per group of [`SHARDS_PER_LOG`] consecutive shards, each with its own
 //!   messages in flight. A node spreads its shards over every group, so its messages
