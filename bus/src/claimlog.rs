@@ -50,8 +50,8 @@ use ankusa_actors::{BucketRecord, ClaimChange, ClaimRecord, Kind, TenantSnapshot
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use crate::kv::{self, KvError};
-use crate::protocol::encode_compact;
+use crate::kv::KvError;
+use crate::protocol::{self, encode_compact};
 
 /// Shards whose changes share a group log: `log = shard / SHARDS_PER_LOG`.
 /// Part of the stored format (format 1): every node of an instance must agree
@@ -237,13 +237,30 @@ impl Replay {
         }
     }
 
-    /// Applies every change of one log message that belongs to these shards.
-    /// `key` names the message in errors.
+    /// Applies every change of one log message that belongs to these shards
+    /// and can be read. `Corrupt` (naming the message by `key`) tells what
+    /// could not: the whole message, when it is not a complete frame (then
+    /// nothing of it is applied), or the changes skipped, one by one, when
+    /// they are not changes this release knows (a later release's). Skipping
+    /// one only takes away what it held (a commit, whose hook may then be
+    /// delivered again; a release; TATs): no change can commit a claim but its
+    /// own commit.
     pub fn apply_message(&mut self, key: &str, payload: &[u8], now_us: u64) -> Result<(), KvError> {
-        // Decoded whole before any change is applied: a message that fails
-        // to read leaves the replay as it was.
-        let changes: Vec<LoggedChange> = kv::decode(key, payload)?;
-        for logged in changes {
+        let corrupt = |reason: String| KvError::Corrupt {
+            key: key.to_string(),
+            reason,
+        };
+        let records = protocol::array_elements(payload).map_err(|e| corrupt(e.to_string()))?;
+        let (total, mut skipped, mut first_error) = (records.len(), 0, None);
+        for record in records {
+            let logged: LoggedChange = match rmp_serde::from_slice(record) {
+                Ok(logged) => logged,
+                Err(err) => {
+                    skipped += 1;
+                    first_error.get_or_insert(err);
+                    continue;
+                }
+            };
             if !logged.buckets.is_empty() {
                 self.apply_buckets(logged.shard, &logged.tenant, &logged.buckets);
             }
@@ -251,7 +268,12 @@ impl Replay {
                 self.apply(logged.shard, logged.tenant, change, now_us);
             }
         }
-        Ok(())
+        match first_error {
+            None => Ok(()),
+            Some(err) => Err(corrupt(format!(
+                "{skipped} of its {total} changes unreadable, the others applied (first: {err})"
+            ))),
+        }
     }
 
     /// Records a tenant's bucket TATs; the last record of a bucket wins.
@@ -611,6 +633,31 @@ mod tests {
                 Err(KvError::Corrupt { .. })
             ));
         }
+    }
+
+    /// A change this release does not know (a later release's) is skipped,
+    /// and the message's other changes are applied.
+    #[test]
+    fn an_unknown_change_is_skipped_and_the_others_applied() {
+        let good = EncodedChange::claim(0, "t", &put("a", "h1", true, NOW + 50));
+        let later = rmp_serde::to_vec(&(
+            "t",
+            0u32,
+            HashMap::from([("Purge", ("src", "b"))]),
+            Vec::<u8>::new(),
+        ))
+        .expect("encodes");
+        let payload = frame([later.as_slice(), good.bytes.as_slice()].into_iter());
+        let mut replay = Replay::new([0]);
+        match replay.apply_message("m.w.5", &payload, NOW) {
+            Err(KvError::Corrupt { key, reason }) => {
+                assert_eq!(key, "m.w.5");
+                assert!(reason.contains("1 of its 2 changes"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let tenants = replay.finish(NOW);
+        assert_eq!(tenants[&0].len(), 1, "the readable change was not applied");
     }
 
     /// Nested far deeper than any record, as plain arrays and as the value of

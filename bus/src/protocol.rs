@@ -440,6 +440,26 @@ pub(crate) fn decode_frame<T: DeserializeOwned>(payload: &[u8]) -> Result<T, Dec
     rmp_serde::from_slice(payload).map_err(|e| DecodeError::Malformed(e.to_string()))
 }
 
+/// The elements of a frame that is one array, each as its own bytes, once
+/// [`check_frame`] has let the whole frame through: a reader that decodes
+/// them one by one can skip one it cannot read (of a later release, say) and
+/// keep the others.
+pub(crate) fn array_elements(payload: &[u8]) -> Result<Vec<&[u8]>, DecodeError> {
+    check_frame(payload)?;
+    let mut rest = payload;
+    let len = rmp::decode::read_array_len(&mut rest)
+        .map_err(|e| DecodeError::Malformed(format!("not an array: {e}")))?;
+    // The frame check backed every declared element by bytes present.
+    let mut elements = Vec::with_capacity(len as usize);
+    for _ in 0..len {
+        let start = rest;
+        serde::de::IgnoredAny::deserialize(&mut rmp_serde::Deserializer::new(&mut rest))
+            .map_err(|e| DecodeError::Malformed(e.to_string()))?;
+        elements.push(&start[..start.len() - rest.len()]);
+    }
+    Ok(elements)
+}
+
 /// Walks one MessagePack value without building anything, so that serde only
 /// ever sees a frame that is exactly one complete value nested at most
 /// [`MAX_DEPTH`] deep.
