@@ -38,7 +38,7 @@ use ankusa_actors::{BucketRecord, ClaimChange, ClaimRecord, Clock, SystemClock, 
 use async_nats::header;
 use async_nats::jetstream::{self, consumer, kv, stream};
 use bytes::Bytes;
-use futures::{FutureExt, StreamExt};
+use futures::{FutureExt, StreamExt, TryStreamExt};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -198,6 +198,9 @@ pub(crate) fn decode<T: DeserializeOwned>(key: &str, payload: &[u8]) -> Result<T
 fn request_err(e: impl std::fmt::Display) -> KvError {
     KvError::Request(e.to_string())
 }
+
+/// Keys a listing reads at once.
+const ENTRIES_AT_ONCE: usize = 64;
 
 /// How long a shard load waits for any one answer. A stream that lost its
 /// leader (a server of the cluster died) can leave a reader waiting long
@@ -636,11 +639,18 @@ impl FleetKv {
         while let Some(key) = keys.next().await {
             names.push(key.map_err(request_err)?);
         }
-        for key in names {
-            if let Some(entry) = store.entry(&key).await.map_err(request_err)? {
-                if entry.operation == kv::Operation::Put {
-                    out.push((key, entry.value));
-                }
+        // Many reads at once: one after another, the 4,096 leases of the
+        // largest instance at a 3 ms round trip took 12 s, past the bound a
+        // listing is given (`ankusa status`, a node's membership listing).
+        let mut entries = futures::stream::iter(names)
+            .map(|key| async move {
+                let entry = store.entry(&key).await.map_err(request_err)?;
+                Ok::<_, KvError>((key, entry))
+            })
+            .buffered(ENTRIES_AT_ONCE);
+        while let Some((key, entry)) = entries.try_next().await? {
+            if let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) {
+                out.push((key, entry.value));
             }
         }
         Ok(out)
