@@ -359,9 +359,13 @@ fn watch_node_denials(
 }
 
 fn budget_ms(deadline: Instant) -> u64 {
-    deadline
-        .saturating_duration_since(Instant::now())
-        .as_millis() as u64
+    budget_ms_at(deadline, Instant::now())
+}
+
+/// The whole milliseconds left at `now` until `deadline`: what a request
+/// carries as its `timeout_ms`, 0 (refused as expired) under one.
+fn budget_ms_at(deadline: Instant, now: Instant) -> u64 {
+    deadline.saturating_duration_since(now).as_millis() as u64
 }
 
 impl Inner {
@@ -606,8 +610,7 @@ impl Inner {
         // A call with less than a millisecond left would go with a budget of
         // 0, which the node refuses as expired: its timeout, told here.
         let now = Instant::now();
-        let timely =
-            |q: &Queued| q.deadline.saturating_duration_since(now) >= Duration::from_millis(1);
+        let timely = |q: &Queued| budget_ms_at(q.deadline, now) > 0;
         if !batch.iter().all(timely) {
             let expired;
             (batch, expired) = batch.into_iter().partition(timely);

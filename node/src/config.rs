@@ -158,6 +158,20 @@ fn default_node_id() -> String {
     }
 }
 
+/// `slot` becomes `value`, when one is given.
+fn set<T: Clone>(slot: &mut T, value: &Option<T>) {
+    if let Some(v) = value {
+        *slot = v.clone();
+    }
+}
+
+/// An optional setting becomes `value`, when one is given (`None` leaves it).
+fn set_given<T: Clone>(slot: &mut Option<T>, value: &Option<T>) {
+    if value.is_some() {
+        slot.clone_from(value);
+    }
+}
+
 /// How to reach NATS: flags and `ANKUSA_NATS*` variables shared by the node
 /// (over its file) and the `ankusa` CLI, so that one environment serves both.
 #[derive(Debug, Clone, Default, Args)]
@@ -218,32 +232,16 @@ impl NatsArgs {
         if !self.nats_servers.is_empty() {
             nats.servers = self.nats_servers.clone();
         }
-        let paths = [
-            (&mut nats.creds_file, &self.nats_creds),
-            (&mut nats.tls_ca, &self.nats_tls_ca),
-            (&mut nats.tls_cert, &self.nats_tls_cert),
-            (&mut nats.tls_key, &self.nats_tls_key),
-        ];
-        for (setting, given) in paths {
-            if given.is_some() {
-                setting.clone_from(given);
-            }
-        }
-        let texts = [
-            (&mut nats.user, &self.nats_user),
-            (&mut nats.password, &self.nats_password),
-            (&mut nats.token, &self.nats_token),
-            (&mut nats.inbox_prefix, &self.nats_inbox_prefix),
-            (&mut nats.nkey_seed, &self.nats_nkey_seed),
-        ];
-        for (setting, given) in texts {
-            if given.is_some() {
-                setting.clone_from(given);
-            }
-        }
-        if let Some(require_tls) = self.nats_require_tls {
-            nats.require_tls = require_tls;
-        }
+        set_given(&mut nats.user, &self.nats_user);
+        set_given(&mut nats.password, &self.nats_password);
+        set_given(&mut nats.token, &self.nats_token);
+        set_given(&mut nats.creds_file, &self.nats_creds);
+        set_given(&mut nats.tls_ca, &self.nats_tls_ca);
+        set_given(&mut nats.tls_cert, &self.nats_tls_cert);
+        set_given(&mut nats.tls_key, &self.nats_tls_key);
+        set(&mut nats.require_tls, &self.nats_require_tls);
+        set_given(&mut nats.inbox_prefix, &self.nats_inbox_prefix);
+        set_given(&mut nats.nkey_seed, &self.nats_nkey_seed);
     }
 }
 
@@ -348,11 +346,6 @@ impl NodeConfig {
     }
 
     fn apply(&mut self, o: &Overrides) -> Result<(), ConfigError> {
-        fn set<T: Clone>(slot: &mut T, value: &Option<T>) {
-            if let Some(v) = value {
-                *slot = v.clone();
-            }
-        }
         set(&mut self.instance, &o.instance);
         set(&mut self.node_id, &o.node_id);
         set(&mut self.shards, &o.shards);
