@@ -47,7 +47,7 @@ SELF="scripts/dev-fleet.sh"
 [ "$PROFILE" != release ] && SELF="DEV_FLEET_PROFILE=$PROFILE $SELF"
 
 usage() {
-  sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 # The pid recorded for `name`, if that process still runs the program we started.
@@ -299,6 +299,7 @@ echo
 burst
 echo
 
+CLI="$(show "$BIN")/ankusa --nats $NATS_URL --instance $INSTANCE --shards $SHARDS"
 cat <<EOF
 dev-fleet: the fleet is up.
   NATS         $NATS_URL  (instance \`$INSTANCE\`, $SHARDS shards)
@@ -306,8 +307,12 @@ dev-fleet: the fleet is up.
   readiness    curl -s http://127.0.0.1:$HTTP_1/readyz
   logs         $(show "$FLEET")/nats.log, $(show "$FLEET")/node-1.log ...
   again        $SELF burst
-  shard map    $(show "$BIN")/ankusa --nats $NATS_URL --instance $INSTANCE --shards $SHARDS status
-  load         $(show "$BIN")/ankusa --nats $NATS_URL --instance $INSTANCE --shards $SHARDS bench --duration-s 10
+  shard map    $CLI status
+  a hit        $CLI hit --tenant acme --source github --key evt-1 --hook h1
+  its commit   $CLI settle --tenant acme --source github --key evt-1 --hook h1 --commit
+  a duplicate  $CLI hit --tenant acme --source github --key evt-1 --hook h2
+  a look       $CLI inspect --tenant acme --source github --key evt-1
+  load         $CLI bench --duration-s 10
 EOF
 if [ "$DETACH" = 1 ]; then
   echo "  stop         $SELF stop"

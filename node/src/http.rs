@@ -53,7 +53,7 @@ pub fn describe_metrics() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     describe_counter!(
         "ankusa_requests_total",
-        "Answers given, by result (ok, duplicate, pending, rate_limited, settled, reset)"
+        "Answers given, by result (ok, duplicate, pending, rate_limited, settled, reset, inspected)"
     );
     describe_counter!(
         "ankusa_requests_refused_total",
@@ -69,6 +69,18 @@ pub fn describe_metrics() {
         "Time from receipt to answer, by op (includes the KV write of claims)"
     );
     describe_gauge!("ankusa_shards_owned", "Shards this node serves");
+    describe_gauge!(
+        "ankusa_claim_log_format",
+        "The claim log this node writes: 2, its own; 1, the per-8-shard logs of an earlier release"
+    );
+    describe_histogram!(
+        "ankusa_claim_log_batch",
+        "Changes (claims and bucket TATs) per claim-log message"
+    );
+    describe_gauge!(
+        "ankusa_kv_bucket_replicas",
+        "Replicas of each of the instance's KV buckets, as found when opened"
+    );
     describe_gauge!(
         "ankusa_shards_target",
         "Shards rendezvous hashing assigns to this node"

@@ -137,6 +137,27 @@ fn the_dev_fleet_comes_up_serves_and_stops() {
     }
     assert!(!report.contains("calls failed"), "{}", describe(&up));
 
+    // The commands it prints for a reader to try, run as printed.
+    let printed = |label: &str| -> String {
+        let line = report
+            .lines()
+            .find_map(|line| line.trim_start().strip_prefix(label))
+            .unwrap_or_else(|| panic!("no `{label}` command printed: {}", describe(&up)));
+        let tried = Command::new("timeout")
+            .args(["60", "sh", "-c", line.trim()])
+            .current_dir(workspace_root())
+            .stdin(Stdio::null())
+            .output()
+            .expect("runs a printed command");
+        assert!(tried.status.success(), "`{line}`: {}", describe(&tried));
+        text(&tried.stdout)
+    };
+    assert!(printed("a hit ").starts_with("ok (fleet"));
+    assert!(printed("its commit ").starts_with("ok (fleet"));
+    assert_eq!(printed("a duplicate ").trim(), "duplicate of hook h1");
+    let look = printed("a look ");
+    assert!(look.contains("h1"), "the key's holder is not shown: {look}");
+
     let status = fleet.run(&["status"]);
     let listed = text(&status.stdout);
     assert!(status.status.success(), "{}", describe(&status));

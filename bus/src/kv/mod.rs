@@ -797,7 +797,7 @@ fn skip_unreadable(key: &str, reason: &str) {
     tracing::error!(
         key,
         reason,
-        "unreadable message (or changes of it) in the state bucket, skipped: the claims \
+        "unreadable message in the state bucket (or changes of one), skipped: the claims \
          and bucket TATs they held are not restored, so a resent hook they had committed \
          may be delivered again (no hook is ever answered duplicate without a commit) and \
          their tenants may get up to a burst more; each load skips them until the \
