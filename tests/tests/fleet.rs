@@ -13,8 +13,8 @@ use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 use ankusa_actors::{
-    BucketRecord, Changes, ClaimView, EventKey, HitOutcome, HitRequest, InspectRequest, Kind,
-    SettleOutcome, Settlement,
+    BucketRecord, Changes, ClaimChange, ClaimRecord, ClaimView, EventKey, HitOutcome, HitRequest,
+    InspectRequest, Kind, SettleOutcome, Settlement,
 };
 use ankusa_bus::kv::{within, FleetKv, Heartbeat, KvWriter, LeaseError};
 use ankusa_bus::protocol::{ErrorCode, Op, Reply, ReplyBody, Request};
@@ -25,7 +25,8 @@ use ankusa_bus::{
 use ankusa_node::fleet::target_owner;
 use ankusa_tests::requests::{hit, hooks, round_trip, settle};
 use ankusa_tests::{
-    connected_edge, wait_until, NatsServer, NetCut, NodeProcess, NodeSpec, ServerConfig, Signal,
+    connected_edge, wait_until, NatsCluster, NatsServer, NetCut, NodeProcess, NodeSpec,
+    ServerConfig, Signal,
 };
 use futures::StreamExt;
 
@@ -537,6 +538,159 @@ async fn a_reset_answered_survives_kill_9_of_its_owner() {
         Ok(HitOutcome::Ok),
         "the next owner of shard {shard} does not have the reset {owner} answered"
     );
+}
+
+/// A load is current as of when it began even when the meta leader puts its
+/// consumer on a replica of the state stream that lags the leader: the next
+/// owner of a shard reads every claim the last one had acknowledged. Here a
+/// replica (neither the stream's leader nor the meta leader) is paused while
+/// a claim is written through the other two, and resumed once the load has
+/// asked for its consumer; about a third of the consumers land on it.
+///
+/// On this host the resumed replica has always caught up before it made the
+/// consumer, so the loads here saw every claim without the leader's check
+/// too (`FleetKv::leader_holds_past`, whose answers the next test checks):
+/// this test holds the check to ending loads on a replica that was behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_reads_every_acknowledged_write_when_its_consumer_is_on_a_lagging_replica() {
+    const ROUNDS: usize = 12;
+    let mut cluster = NatsCluster::start(3).await.expect("cluster");
+    let setup = FleetKv::open(cluster.connect().await.expect("connect"), "test", 3)
+        .await
+        .expect("R3 buckets");
+    let js = async_nats::jetstream::new(cluster.connect().await.expect("connect"));
+    let mut stream = js
+        .get_stream("KV_ankusa_test_state")
+        .await
+        .expect("state stream");
+    let leader = stream
+        .info()
+        .await
+        .expect("stream info")
+        .cluster
+        .as_ref()
+        .and_then(|c| c.leader.clone())
+        .expect("a stream leader");
+    let meta = cluster.meta_leader().await.expect("meta leader");
+    let lagging = (0..cluster.len())
+        .find(|&i| {
+            let name = cluster.member(i).name();
+            name != leader && name != meta
+        })
+        .expect("three members, at most two of them leaders");
+    let others: Vec<String> = (0..cluster.len())
+        .filter(|&i| i != lagging)
+        .map(|i| cluster.member(i).url())
+        .collect();
+    let connect = || async {
+        let client = async_nats::ConnectOptions::new()
+            .connect(others.clone())
+            .await
+            .expect("connect to the members that run");
+        FleetKv::open(client, "test", 3).await.expect("buckets")
+    };
+    let writer = KvWriter::start(connect().await, Duration::from_secs(3600));
+    let loader = connect().await;
+    drop(setup);
+    let shard = 5;
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    let expires_us = now.expect("after 1970").as_micros() as u64 + 3_600_000_000;
+    let mut missed = Vec::new();
+    for round in 0..ROUNDS {
+        let tenant = format!("t{round}");
+        let claimed = Changes {
+            claim: Some(ClaimChange::Put(ClaimRecord::new(
+                "src", "key", "hook", None, true, expires_us,
+            ))),
+            buckets: Default::default(),
+        };
+        cluster.pause(lagging).expect("pause a replica");
+        let written = writer.record([(shard, tenant.as_str(), &claimed)]).await;
+        let load = tokio::spawn({
+            let loader = loader.clone();
+            async move { loader.load_shard(shard).await }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        cluster.resume(lagging).expect("resume it");
+        written.expect("the claim acknowledged by two of three");
+        let loaded = tokio::time::timeout(Duration::from_secs(30), load)
+            .await
+            .expect("the load ends")
+            .expect("the load task")
+            .expect("the load");
+        if !loaded.iter().any(|t| t.tenant == tenant) {
+            missed.push(round);
+        }
+    }
+    assert!(
+        missed.is_empty(),
+        "loads that missed an acknowledged claim, of {ROUNDS}: rounds {missed:?}"
+    );
+}
+
+/// What a load asks the state stream's leader once its consumer has nothing
+/// left: whether a message lies past what it read, up to where the stream
+/// ended when it began. Gaps (messages rolled up or expired) do not count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_leader_says_whether_a_load_has_read_to_where_the_stream_ended() {
+    let nats = NatsServer::start().await.expect("nats");
+    let kv = kv(&nats).await;
+    let writer = KvWriter::start(kv.clone(), Duration::from_secs(3600));
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    let expires_us = now.expect("after 1970").as_micros() as u64 + 3_600_000_000;
+    let claimed = Changes {
+        claim: Some(ClaimChange::Put(ClaimRecord::new(
+            "src", "key", "hook", None, true, expires_us,
+        ))),
+        buckets: Default::default(),
+    };
+    let js = async_nats::jetstream::new(nats.connect().await.expect("connect"));
+    let last = || async {
+        js.get_stream("KV_ankusa_test_state")
+            .await
+            .expect("state stream")
+            .cached_info()
+            .state
+            .last_sequence
+    };
+    assert!(
+        !kv.leader_holds_past(0, last().await).await.expect("asked"),
+        "an empty stream"
+    );
+    writer.record([(1, "a", &claimed)]).await.expect("written");
+    let first = last().await;
+    writer.record([(1, "b", &claimed)]).await.expect("written");
+    let second = last().await;
+    assert!(second > first);
+    assert!(kv.leader_holds_past(0, second).await.expect("asked"));
+    assert!(kv.leader_holds_past(first, second).await.expect("asked"));
+    assert!(!kv.leader_holds_past(second, second).await.expect("asked"));
+    assert!(
+        !kv.leader_holds_past(second, second + 100)
+            .await
+            .expect("asked"),
+        "nothing was written past the second"
+    );
+    // A message gone from the stream (its key purged) is no message to read.
+    let stream = js
+        .get_stream("KV_ankusa_test_state")
+        .await
+        .expect("state stream");
+    let subject = stream
+        .get_raw_message(first)
+        .await
+        .expect("the first")
+        .subject;
+    stream
+        .purge()
+        .filter(subject.as_str())
+        .await
+        .expect("purged");
+    assert!(!kv.leader_holds_past(first - 1, first).await.expect("asked"));
+    assert!(kv
+        .leader_holds_past(first - 1, second)
+        .await
+        .expect("asked"));
 }
 
 /// A node writes no bucket of a shard it stopped serving: another node may

@@ -45,7 +45,7 @@ use serde::{Deserialize, Serialize};
 use crate::claimlog::{self, Replay};
 use crate::protocol::{decode_frame, encode_named, MESSAGE_ROOM};
 use crate::replies::Inbox;
-use write::{acked, replied, stored_at, Write, WriteError};
+use write::{acked, found_seq, replied, stored_at, Write, WriteError};
 
 pub use writer::KvWriter;
 
@@ -587,6 +587,27 @@ impl FleetKv {
         stored_at(&answer.payload, revision)
     }
 
+    /// Whether the state stream's leader holds a message in `(read_to,
+    /// up_to]`: a load that has read to `read_to` must read on to be current
+    /// as of `up_to`. Asked of the leader, which has every acknowledged write,
+    /// because a load's consumer may be placed on a replica that lags (the
+    /// meta leader places it, not the stream leader): its count of messages
+    /// left can reach 0 before the last ones it has yet to apply.
+    pub async fn leader_holds_past(&self, read_to: u64, up_to: u64) -> Result<bool, KvError> {
+        if read_to >= up_to {
+            return Ok(false);
+        }
+        let subject = format!("$JS.API.STREAM.MSG.GET.KV_{}", self.state_bucket);
+        let ask = Bytes::from(format!(
+            "{{\"seq\":{},\"next_by_subj\":\"$KV.{}.>\"}}",
+            read_to + 1,
+            self.state_bucket
+        ));
+        let asked = self.writes.request(subject.into(), None, ask).await;
+        let answer = replied(asked, KV_WRITE_WAIT).await.map_err(request_err)?;
+        Ok(found_seq(&answer.payload)?.is_some_and(|seq| seq <= up_to))
+    }
+
     /// Says `node` has left.
     pub async fn leave(&self, node: &str) -> Result<(), KvError> {
         self.publish(Write::purge(&self.nodes_bucket, node))
@@ -696,7 +717,11 @@ impl FleetKv {
         // The server would reap the consumer once idle; until then it is sent every
         // write to the stream, so it goes as soon as the load is done.
         let mut reader = info.name.clone();
-        if info.num_pending == 0 {
+        // The leader's last message when the load began (its stream info): every
+        // write acknowledged before, an earlier owner's last commits among them,
+        // is at or below it, and the load is current once it has read that far.
+        let current_at = stream.cached_info().state.last_sequence;
+        if info.num_pending == 0 && !self.leader_holds_past(0, current_at).await? {
             let _ = stream.delete_consumer(&reader).await;
             return Ok(state.finish(self.now_us()));
         }
@@ -749,7 +774,15 @@ impl FleetKv {
                         Err(err) => return Err(err),
                     }
                 }
-                if left == 0 {
+                // Nothing left on the consumer's server, which may lag the
+                // leader: done only if the leader holds nothing more either;
+                // else the rest comes once that server has it (or the load
+                // times out and is retried).
+                if left == 0
+                    && !self
+                        .leader_holds_past(info.stream_sequence, current_at)
+                        .await?
+                {
                     return Ok(());
                 }
             }

@@ -165,6 +165,31 @@ pub(super) fn stored_at(answer: &[u8], revision: u64) -> Result<u64, KvError> {
         .map_err(|_| unreadable(format!("time {:?} before 1970", message.time)))
 }
 
+/// JetStream's error code for a message get that found no message.
+const NO_MESSAGE_FOUND: u64 = 10037;
+
+/// The sequence of the message a stream message get found (one asked for
+/// with `next_by_subj`: the first at or after a sequence), or `None` when the
+/// stream holds none there.
+pub(super) fn found_seq(answer: &[u8]) -> Result<Option<u64>, KvError> {
+    match serde_json::from_slice::<MessageAnswer>(answer) {
+        Ok(MessageAnswer {
+            message: Some(message),
+            ..
+        }) => Ok(Some(message.seq)),
+        Ok(MessageAnswer {
+            error: Some(err), ..
+        }) if err.err_code == NO_MESSAGE_FOUND => Ok(None),
+        Ok(MessageAnswer {
+            error: Some(err), ..
+        }) => Err(KvError::Request(format!(
+            "message get: {} ({})",
+            err.description, err.code
+        ))),
+        Ok(_) | Err(_) => Err(KvError::Request("message get: not a message".into())),
+    }
+}
+
 /// What JetStream answers a publish: the stored message's sequence, or why
 /// it was not stored.
 #[derive(Deserialize)]
@@ -223,6 +248,17 @@ mod tests {
         let garbled = br#"{"message":{"seq":42,"time":"noon"}}"#;
         assert!(stored_at(garbled, 42).is_err());
         assert!(stored_at(b"not json", 42).is_err());
+    }
+
+    #[test]
+    fn a_next_message_get_is_read_as_found_or_none() {
+        let found = br#"{"type":"io.nats.jetstream.api.v1.stream_msg_get_response","message":{"subject":"$KV.b.m.x","seq":9,"data":"","time":"2026-12-07T06:00:00Z"}}"#;
+        assert_eq!(found_seq(found), Ok(Some(9)));
+        let none = br#"{"error":{"code":404,"err_code":10037,"description":"no message found"}}"#;
+        assert_eq!(found_seq(none), Ok(None));
+        let refused = br#"{"error":{"code":503,"err_code":10008,"description":"JetStream system temporarily unavailable"}}"#;
+        assert!(found_seq(refused).is_err(), "an error other than none found");
+        assert!(found_seq(b"not json").is_err());
     }
 
     #[test]
