@@ -375,8 +375,7 @@ fn ask_shard(ctx: &ShardContext, request: Request, received: Instant) -> Asked<P
             Ok(()) => {
                 let mut order = InOrder::default();
                 Asked::Batch(
-                    items
-                        .into_iter()
+                    within_batch(items, timeout_ms)
                         .map(|item| dispatch(ctx, item, received, &mut order))
                         .collect(),
                 )
@@ -515,8 +514,7 @@ fn ask_node(
             Ok(()) => {
                 let served = table.read();
                 let mut order = InOrder::default();
-                let items = items
-                    .into_iter()
+                let items = within_batch(items, timeout_ms)
                     .map(|item| route(&served, table.0.shards, item, received, &mut order))
                     .collect();
                 (Timed::NodeBatch, Asked::Batch(items))
@@ -992,6 +990,16 @@ fn admit(timeout_ms: u64, rules: Result<(), ErrorReply>) -> Result<(), ReplyBody
     Ok(())
 }
 
+/// A batch's items, each with a budget no longer than the batch's own: the
+/// caller waits for the batch's one reply no longer than that, so an item
+/// applied later would be answered to nobody (protocol §5.5).
+fn within_batch(items: Vec<Request>, batch_ms: u64) -> impl Iterator<Item = Request> {
+    items.into_iter().map(move |mut item| {
+        item.timeout_ms = item.timeout_ms.min(batch_ms);
+        item
+    })
+}
+
 /// Hands one request on the shard's subject to the actor now, once admitted
 /// and found to be the shard's.
 fn dispatch(
@@ -1063,6 +1071,15 @@ fn hand_over(
 mod tests {
     use super::*;
     use ankusa_actors::{HitOutcome, SettleOutcome};
+
+    #[test]
+    fn a_batch_items_budget_is_no_longer_than_the_batchs() {
+        let item = |timeout_ms| Request::new(timeout_ms, Op::Reset { tenant: "t".into() });
+        let budgets: Vec<u64> = within_batch(vec![item(60_000), item(3), item(5)], 5)
+            .map(|item| item.timeout_ms)
+            .collect();
+        assert_eq!(budgets, [5, 3, 5]);
+    }
 
     #[test]
     fn a_window_closed_into_its_successor_hands_it_the_time_left() {
