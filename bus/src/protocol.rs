@@ -24,7 +24,8 @@ pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
 /// Requests one batch may carry.
 pub const MAX_BATCH: usize = 256;
 /// Deepest nesting of arrays and maps in any frame, request or reply. A v1
-/// request nests at most 8 deep (a charge inside a batched hit) and a reply 7, so
+/// request nests at most 8 deep (a charge inside a batched hit) and a reply 8 (a
+/// bucket of a tenant view inside a batch reply), so
 /// this leaves room for later versions while bounding the decoder's recursion.
 pub const MAX_DEPTH: usize = 16;
 
