@@ -399,7 +399,12 @@ impl NodeResponder {
         subject: String,
         table: ShardTable,
     ) -> Result<Self, async_nats::SubscribeError> {
-        let subscription = client.subscribe(subject).await?;
+        // In a queue group, so that each batch reaches one process: two with
+        // one node id (a mistake, until the later one steps down) would both
+        // take every batch, and the one not serving an item's shard answers
+        // `wrong_node` first, so the edge sends the item again to the shard's
+        // subject, where the other applies it a second time.
+        let subscription = client.queue_subscribe(subject, NODE_QUEUE.into()).await?;
         let running = Running::spawn(|stopped| run_node(client, table, subscription, stopped));
         Ok(Self { running })
     }
@@ -410,6 +415,9 @@ impl NodeResponder {
         self.running.stop(grace).await;
     }
 }
+
+/// The queue group of the node subjects' subscriptions.
+const NODE_QUEUE: &str = "ankusa_node";
 
 /// What an item on the node subject holds of its shard until its reply
 /// leaves: the shard's window, checked again just before, and its place among

@@ -41,6 +41,17 @@ use crate::time::{Reading, TimeKeeper};
 pub enum FleetError {
     #[error(transparent)]
     Host(#[from] crate::host::HostError),
+    /// Another live process has this node's id and started first: this one
+    /// left the fleet. A configuration error (exit status 2).
+    #[error(
+        "another live process has node_id `{node_id}` (started at {elder_started_ms} ms \
+         since the epoch, before this one); this one left the fleet: give every node \
+         its own node_id"
+    )]
+    TwinNodeId {
+        node_id: String,
+        elder_started_ms: u64,
+    },
 }
 
 /// The rendezvous weight of `node` for `shard`.
@@ -591,15 +602,15 @@ impl Fleet {
         }
     }
 
-    /// Leaves the fleet: withdraws the heartbeat and hands every shard back,
-    /// within [`leave_bound`]. With NATS out of reach each KV call would wait
+    /// Leaves the fleet: withdraws the heartbeat (unless it is a twin's too)
+    /// and hands every shard back, within [`leave_bound`]. With NATS out of reach each KV call would wait
     /// out its own bound, one shard after another; past the bound, the shards
     /// not yet handed back stop answering and their leases lapse by TTL, as
     /// after a crash, and the node exits all the same.
-    async fn leave(&mut self) {
+    async fn leave(&mut self, withdraw_heartbeat: bool) {
         self.health.set_shutting_down();
         let bound = leave_bound(&self.config);
-        if tokio::time::timeout(bound, self.hand_back_all())
+        if tokio::time::timeout(bound, self.hand_back_all(withdraw_heartbeat))
             .await
             .is_err()
         {
@@ -614,10 +625,12 @@ impl Fleet {
         }
     }
 
-    async fn hand_back_all(&mut self) {
-        if let Err(err) = within(self.config.lease_ttl(), self.kv.leave(&self.config.node_id)).await
-        {
-            tracing::warn!(error = %err, "could not withdraw heartbeat");
+    async fn hand_back_all(&mut self, withdraw_heartbeat: bool) {
+        if withdraw_heartbeat {
+            let left = within(self.config.lease_ttl(), self.kv.leave(&self.config.node_id));
+            if let Err(err) = left.await {
+                tracing::warn!(error = %err, "could not withdraw heartbeat");
+            }
         }
         let shards: Vec<u32> = self.held.keys().copied().collect();
         self.hand_back_each(shards).await;
@@ -680,13 +693,14 @@ pub async fn run(
     // join, a graceful leave, or a heartbeat lapsing), so it is acted on at
     // once rather than at the next round.
     let wake = Arc::new(Notify::new());
-    let membership = Membership::watch(kv.clone(), &config.node_id, wake.clone());
+    let started_ms = ankusa_bus::kv::now_unix_ms();
+    let membership = Membership::watch(kv.clone(), &config.node_id, started_ms, wake.clone());
     let renew_every = Duration::from_millis(config.lease_renew_ms);
     // How long a stop waits for the round under way.
     let finish_grace = config.lease_ttl();
     let stopping_health = health.clone();
     let mut fleet = Fleet {
-        started_ms: ankusa_bus::kv::now_unix_ms(),
+        started_ms,
         last_renew: Instant::now(),
         config,
         kv,
@@ -750,6 +764,14 @@ pub async fn run(
         if stopping {
             break;
         }
+        if let Some(elder) = fleet.membership.yield_to() {
+            // The heartbeat key is the elder's too: left as it is.
+            fleet.leave(false).await;
+            return Err(FleetError::TwinNodeId {
+                node_id: fleet.config.node_id.clone(),
+                elder_started_ms: elder.started_ms,
+            });
+        }
         let wake_at = if waiting {
             next_acquire.min(next_round)
         } else {
@@ -761,7 +783,7 @@ pub async fn run(
             _ = &mut shutdown => break,
         }
     }
-    fleet.leave().await;
+    fleet.leave(true).await;
     tracing::info!("node left the fleet");
     Ok(())
 }

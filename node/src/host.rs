@@ -50,6 +50,8 @@ pub struct ShardHost {
 
 /// How long a releasing shard waits for its in-flight answers.
 const RELEASE_GRACE: Duration = Duration::from_secs(2);
+/// How long the gauges wait for a shard's figures (a busy shard's are skipped).
+const STATS_WAIT: Duration = Duration::from_secs(1);
 
 impl ShardHost {
     pub fn new(
@@ -225,13 +227,15 @@ impl ShardHost {
 
     /// Gauges summed over the shards served.
     pub async fn stats(&self) -> ShardStats {
+        // All shards at once, so that the ownership loop, which asks between
+        // its renewals, waits a second at most however many shards are slow.
+        let asked = self
+            .served
+            .values()
+            .map(|served| served.actor.call(ShardMsg::Stats, Some(STATS_WAIT)));
         let mut total = ShardStats::default();
-        for served in self.served.values() {
-            if let Ok(CallResult::Success(s)) = served
-                .actor
-                .call(ShardMsg::Stats, Some(Duration::from_secs(1)))
-                .await
-            {
+        for answer in futures::future::join_all(asked).await {
+            if let Ok(CallResult::Success(s)) = answer {
                 total.active_tenants += s.active_tenants;
                 total.parked_tenants += s.parked_tenants;
                 total.claims += s.claims;

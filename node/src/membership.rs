@@ -9,7 +9,9 @@
 //! node's own heartbeats stop coming back through it).
 //!
 //! The same watch tells when another live process has this node's id: its
-//! heartbeats keep coming after this process's own came back.
+//! heartbeats keep coming after this process's own came back. Of two such
+//! twins the one started later steps down ([`Membership::yield_to`]), so that
+//! a mistaken second start leaves the first serving.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -27,6 +29,8 @@ struct View {
     me: String,
     /// This process's [`FleetKv::incarnation`].
     incarnation: u64,
+    /// When this process started (its heartbeats' `started_ms`).
+    started_ms: u64,
     beats: BTreeMap<String, (Heartbeat, Instant)>,
     caught_up: bool,
     /// Whether a heartbeat of this process has come back through the watch.
@@ -35,57 +39,72 @@ struct View {
     heard_myself: bool,
     /// The twins already reported, so that each is logged once.
     twins: Vec<u64>,
+    /// A twin started before this process, which this one steps down for.
+    elder: Option<Heartbeat>,
 }
 
 impl View {
-    fn new(me: String, incarnation: u64) -> Self {
+    fn new(me: String, incarnation: u64, started_ms: u64) -> Self {
         Self {
             me,
             incarnation,
+            started_ms,
             beats: BTreeMap::new(),
             caught_up: false,
             heard_myself: false,
             twins: Vec::new(),
+            elder: None,
         }
     }
 
-    /// Takes in one event; says whether the set of nodes changed.
+    /// Takes in one event; says whether the set of nodes changed, or this
+    /// process is to step down for a twin.
     fn apply(&mut self, event: NodeEvent, at: Instant) -> bool {
         self.caught_up |= event.caught_up;
         match event.change {
             NodeChange::Beat(beat) => {
-                if beat.node == self.me {
-                    self.check_twin(&beat);
-                }
-                self.beats.insert(beat.node.clone(), (beat, at)).is_none()
+                let stepping_down = beat.node == self.me && self.check_twin(&beat);
+                self.beats.insert(beat.node.clone(), (beat, at)).is_none() || stepping_down
             }
             NodeChange::Gone(node) => self.beats.remove(&node).is_some(),
         }
     }
 
     /// Reports a heartbeat of this node's id written by another live
-    /// process. Two processes under one id take and serve one node's shards
-    /// between them, each unaware, while the fleet counts them as one node:
-    /// the other nodes' targets are wrong, and so are both processes'
+    /// process, and says whether this process is to step down for it (it
+    /// started later). Two processes under one id take and serve one node's
+    /// shards between them, each unaware, while the fleet counts them as one
+    /// node: the other nodes' targets are wrong, and so are both processes'
     /// handoffs.
-    fn check_twin(&mut self, beat: &Heartbeat) {
+    fn check_twin(&mut self, beat: &Heartbeat) -> bool {
         if beat.incarnation == self.incarnation {
             self.heard_myself = true;
-            return;
+            return false;
         }
         // 0: a release that does not say; heard before this process's own:
         // the last heartbeat of this node's life before a restart.
         if !self.heard_myself || beat.incarnation == 0 || self.twins.contains(&beat.incarnation) {
-            return;
+            return false;
         }
         self.twins.push(beat.incarnation);
         metrics::counter!("ankusa_node_id_conflicts_total").increment(1);
+        // The incarnation breaks a tie: both processes come to the same answer.
+        let elder = (beat.started_ms, beat.incarnation) < (self.started_ms, self.incarnation);
+        let what = if elder {
+            "this process, started later, leaves the fleet and exits with status 2"
+        } else {
+            "the other process, started later, leaves the fleet"
+        };
         tracing::error!(
             node_id = %self.me,
             started_ms = beat.started_ms,
-            "another live process has this node's id; give every node its own node_id \
-             (several nodes on one host share its name, the default)"
+            "another live process has this node's id; {what}. Give every node its own \
+             node_id (several nodes on one host share its name, the default)"
         );
+        if elder && self.elder.is_none() {
+            self.elder = Some(beat.clone());
+        }
+        elder
     }
 
     /// Forgets everything, for a watch that begins again.
@@ -124,8 +143,12 @@ impl Membership {
     /// Starts watching the heartbeats; `wake` is notified whenever a node
     /// joins or leaves (renewals of known nodes wake nobody; a heartbeat that
     /// lapses without a marker is found by the next round's [`Membership::live`]).
-    pub fn watch(kv: FleetKv, me: &str, wake: Arc<Notify>) -> Self {
-        let view = Arc::new(Mutex::new(View::new(me.to_string(), kv.incarnation())));
+    pub fn watch(kv: FleetKv, me: &str, started_ms: u64, wake: Arc<Notify>) -> Self {
+        let view = Arc::new(Mutex::new(View::new(
+            me.to_string(),
+            kv.incarnation(),
+            started_ms,
+        )));
         let kept = view.clone();
         tokio::spawn(async move {
             loop {
@@ -163,6 +186,13 @@ impl Membership {
     pub fn live(&self, ttl: Duration) -> Option<Vec<Heartbeat>> {
         lock(&self.view).live(Instant::now(), ttl)
     }
+
+    /// The heartbeat of a live process with this node's id that started
+    /// before this one, if the watch has heard one: this process is to leave
+    /// the fleet (it wakes the ownership loop when it is heard).
+    pub fn yield_to(&self) -> Option<Heartbeat> {
+        lock(&self.view).elder.clone()
+    }
 }
 
 #[cfg(test)]
@@ -197,7 +227,7 @@ mod tests {
     #[test]
     fn the_view_lists_the_nodes_heard_within_a_heartbeat_lifetime() {
         let t0 = Instant::now();
-        let mut view = View::new("a".into(), 1);
+        let mut view = View::new("a".into(), 1, 1);
         assert!(view.apply(beat("a"), t0), "a new node is a change");
         assert!(view.apply(beat("b"), t0));
         assert!(!view.apply(beat("b"), t0 + TTL / 2), "a renewal is not");
@@ -224,7 +254,7 @@ mod tests {
     #[test]
     fn the_view_is_not_trusted_before_it_caught_up_or_without_this_nodes_heartbeat() {
         let t0 = Instant::now();
-        let mut view = View::new("a".into(), 1);
+        let mut view = View::new("a".into(), 1, 1);
         let mut early = beat("b");
         early.caught_up = false;
         view.apply(early, t0);
@@ -258,7 +288,7 @@ mod tests {
     #[test]
     fn a_twin_is_a_process_of_this_id_heard_after_this_ones_own_heartbeat() {
         let t0 = Instant::now();
-        let mut view = View::new("a".into(), 1);
+        let mut view = View::new("a".into(), 1, 1);
         view.apply(beat_of("a", 9), t0);
         assert!(view.twins.is_empty(), "the last heartbeat before a restart");
         view.apply(beat_of("a", 1), t0);
@@ -275,5 +305,34 @@ mod tests {
         view.reset();
         view.apply(beat_of("a", 9), t0);
         assert_eq!(view.twins, [9], "still known after a new watch");
+    }
+
+    #[test]
+    fn of_two_twins_the_one_started_later_steps_down() {
+        let t0 = Instant::now();
+        let twin = |incarnation, started_ms| NodeEvent {
+            change: NodeChange::Beat(Heartbeat {
+                node: "a".into(),
+                started_ms,
+                http: None,
+                claim_log_format: 2,
+                incarnation,
+                shards: 16,
+            }),
+            caught_up: true,
+        };
+        let heard_after_own = |me: (u64, u64), other: (u64, u64)| {
+            let mut view = View::new("a".into(), me.0, me.1);
+            view.apply(twin(me.0, me.1), t0);
+            let woke = view.apply(twin(other.0, other.1), t0);
+            (woke, view.elder.map(|beat| beat.incarnation))
+        };
+        // (incarnation, started_ms) of this process, then of its twin.
+        assert_eq!(heard_after_own((1, 200), (2, 100)), (true, Some(2)));
+        assert_eq!(heard_after_own((2, 100), (1, 200)), (false, None));
+        // Started in the same millisecond: the incarnations decide, the
+        // same way in both processes.
+        assert_eq!(heard_after_own((7, 100), (3, 100)), (true, Some(3)));
+        assert_eq!(heard_after_own((3, 100), (7, 100)), (false, None));
     }
 }

@@ -11,6 +11,7 @@ use ankusa_actors::{AnchoredClock, Clock};
 use ankusa_bus::persist::Persistence;
 
 use crate::config::{Mode, NodeConfig};
+use crate::fleet::FleetError;
 use crate::health::Health;
 use crate::host::{HostError, ShardHost};
 
@@ -30,6 +31,10 @@ pub enum NodeError {
     Host(#[from] HostError),
     #[error("fleet: {0}")]
     Fleet(String),
+    /// A configuration mistake found only once running (another live process
+    /// has this node's id): restarting will not fix it.
+    #[error("{0}")]
+    Misconfigured(String),
     /// The NATS client's connection task ended: the node could no longer
     /// reach anything, so it stops for its supervisor to start it afresh.
     #[error("the NATS connection ended for good; exiting so that the node is restarted")]
@@ -129,7 +134,10 @@ pub async fn run(
             Mode::Standalone => standalone(config, client, health, shutdown, clock).await,
             Mode::Fleet => crate::fleet::run(config, client, health, shutdown, clock)
                 .await
-                .map_err(|e| NodeError::Fleet(e.to_string())),
+                .map_err(|e| match e {
+                    FleetError::TwinNodeId { .. } => NodeError::Misconfigured(e.to_string()),
+                    e => NodeError::Fleet(e.to_string()),
+                }),
         }
     };
     tokio::select! {

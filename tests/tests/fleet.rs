@@ -786,13 +786,15 @@ async fn a_writer_drops_the_buckets_of_the_shards_it_stopped_serving() {
     assert_eq!(stored(6).await, vec![], "a lapsed shard's TAT was written");
 }
 
-/// Two live processes given one node id split that node's shards while the
-/// fleet counts one node: each hears the other's heartbeats after its own and
-/// says so. A node restarted under its id says nothing. (Its earlier life's
-/// last heartbeat reaches its watch only when the watch begins before its
-/// own first heartbeat; that order is `membership.rs`'s unit test.)
+/// Two live processes given one node id would split that node's shards
+/// while the fleet counts one node: each hears the other's heartbeats after
+/// its own and says so, and the one started later leaves the fleet and exits
+/// with status 2 (a configuration error), while the first keeps serving. A
+/// node restarted under its id says nothing. (Its earlier life's last
+/// heartbeat reaches its watch only when the watch begins before its own
+/// first heartbeat; that order is `membership.rs`'s unit test.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_node_id_shared_by_two_live_processes_is_reported_and_a_restart_is_not() {
+async fn of_two_live_processes_with_one_node_id_the_later_leaves_and_a_restart_is_not_one() {
     const CONFLICTS: &str = "ankusa_node_id_conflicts_total";
     let nats = NatsServer::start().await.expect("nats");
     let mut first = node("twin", &nats);
@@ -815,20 +817,46 @@ async fn a_node_id_shared_by_two_live_processes_is_reported_and_a_restart_is_not
         again.log_tail(20)
     );
 
-    let twin = node("twin", &nats);
-    let both = wait_until(Duration::from_secs(10), || async {
-        again.metric(CONFLICTS).await == Some(1.0) && twin.metric(CONFLICTS).await == Some(1.0)
+    let mut twin = node("twin", &nats);
+    let exited = twin
+        .process()
+        .wait_timeout(Duration::from_secs(20))
+        .await
+        .unwrap_or_else(|err| panic!("the later twin still runs: {err}"));
+    assert_eq!(exited.code(), Some(2), "{}", twin.log_tail(20));
+    assert!(
+        twin.log()
+            .contains("this process, started later, leaves the fleet"),
+        "{}",
+        twin.log_tail(20)
+    );
+    let reported = wait_until(Duration::from_secs(10), || async {
+        again.metric(CONFLICTS).await == Some(1.0)
     })
     .await;
     assert!(
-        both.is_ok(),
-        "the twins did not both report the other once: {:?} and {:?}",
-        again.metric(CONFLICTS).await,
-        twin.metric(CONFLICTS).await
+        reported.is_ok(),
+        "the first did not report its twin once: {:?}",
+        again.metric(CONFLICTS).await
     );
     assert!(again
         .log()
-        .contains("another live process has this node's id"));
+        .contains("the other process, started later, leaves the fleet"));
+    // The first serves on, every shard its own: its heartbeat was left in place.
+    let serving = wait_until(Duration::from_secs(10), || async {
+        again.is_ready().await && again.metric("ankusa_shards_owned").await == Some(SHARDS as f64)
+    })
+    .await;
+    assert!(
+        serving.is_ok(),
+        "the first twin stopped serving: {}",
+        again.log_tail(20)
+    );
+    let store = edge(&nats).await;
+    let answered = store
+        .hit(hit("after-the-twin", "k", "h"), Duration::from_secs(2))
+        .await;
+    assert!(matches!(answered, Ok(HitOutcome::Ok)), "{answered:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -65,6 +65,13 @@ fn main() -> ExitCode {
         ankusa_node::run::shutdown_signal(),
     )) {
         Ok(()) => ExitCode::SUCCESS,
+        // A configuration error, like the ones found at start: the same status,
+        // which supervisors are told not to restart on (deploy/systemd).
+        Err(err @ ankusa_node::run::NodeError::Misconfigured(_)) => {
+            tracing::error!("{err}");
+            eprintln!("ankusa-node: {err}");
+            ExitCode::from(2)
+        }
         Err(err) => {
             tracing::error!("{err}");
             eprintln!("ankusa-node: {err}");
