@@ -257,7 +257,10 @@ mod tests {
         let none = br#"{"error":{"code":404,"err_code":10037,"description":"no message found"}}"#;
         assert_eq!(found_seq(none), Ok(None));
         let refused = br#"{"error":{"code":503,"err_code":10008,"description":"JetStream system temporarily unavailable"}}"#;
-        assert!(found_seq(refused).is_err(), "an error other than none found");
+        assert!(
+            found_seq(refused).is_err(),
+            "an error other than none found"
+        );
         assert!(found_seq(b"not json").is_err());
     }
 
