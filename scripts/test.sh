@@ -23,5 +23,8 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet
 # The binaries the integration tests start, built up front (the tests would
 # otherwise build them inside the first test that needs one, on its clock).
 cargo build --locked -p ankusa-node --bins
-cargo test --workspace --locked --all-targets --no-fail-fast
+# Benches are not run here: clippy above compiles them, and a debug run of
+# theirs measures nothing and took minutes of the suite (`cargo bench`,
+# scripts/bench.sh).
+cargo test --workspace --locked --lib --bins --tests --examples --no-fail-fast
 cargo test --workspace --locked --doc

@@ -1036,9 +1036,21 @@ mod tests {
         assert!(matches!(send_hit(&shard, "a").await, Some(Ok(_))));
         let actor = shard.actor();
         actor.cast(ShardMsg::FailTenant("t".into())).expect("cast");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let stats = actor.call(ShardMsg::Stats, None).await.expect("call");
-        assert!(matches!(stats, CallResult::Success(s) if s.restarts == 1));
+        // The shard counts the restart when it hears of the failure, which
+        // comes after the cast: asked until it has (bounded).
+        let mut restarts = 0;
+        for _ in 0..1_000 {
+            let stats = actor.call(ShardMsg::Stats, None).await.expect("call");
+            let CallResult::Success(stats) = stats else {
+                panic!("stats: {stats:?}");
+            };
+            restarts = stats.restarts;
+            if restarts > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(restarts, 1, "the failed tenant restarted once");
         // Served again, from an empty state: the old claim is gone.
         let again = send_hit(&shard, "a").await;
         assert!(
@@ -1165,7 +1177,12 @@ mod tests {
             .actor()
             .cast(ShardMsg::FailTenant("t".into()))
             .expect("cast");
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        // The shard stops once the failure reaches it: waited for (bounded).
+        shard
+            .actor()
+            .wait(Some(Duration::from_secs(5)))
+            .await
+            .expect("the shard stopped within 5 s");
         assert_eq!(shard.actor().get_status(), ractor::ActorStatus::Stopped);
         let after = send_hit(&shard, "b").await;
         assert!(

@@ -14,6 +14,7 @@ use ankusa_bus::breaker::{BreakerConfig, BreakerState, ManualMonotonic};
 use ankusa_bus::edge::{Answer, Edge, EdgeConfig, LocalReason, Source};
 use ankusa_bus::local::LocalConfig;
 use ankusa_bus::{ErrorCode, ErrorReply, Store, StoreError};
+use futures::FutureExt;
 
 const T0: u64 = 1_700_000_000_000_000;
 const BUDGET: Duration = Duration::from_millis(200);
@@ -306,13 +307,24 @@ async fn a_store_that_overruns_its_budget_is_cut_within_the_timeout() {
     r.edge.store().set(Behave::Hang);
     let timeout = Duration::from_millis(50);
     let started = Instant::now();
-    let answer = r.edge.hit(hit("k", "h1"), timeout).await.unwrap();
+    // Raced against a plain timer of the whole timeout, started once the
+    // call has set its guard (on its first poll) and polled after it: the
+    // call must be over when that timer fires, however late a loaded host
+    // fires both (a wall-clock bound would fail for the host's sake).
+    let call = r.edge.hit(hit("k", "h1"), timeout);
+    tokio::pin!(call);
+    assert!(futures::poll!(&mut call).is_pending(), "answered at once");
+    let reference = tokio::time::sleep(timeout);
+    let answer = tokio::select! {
+        biased;
+        answer = &mut call => answer.unwrap(),
+        () = reference => panic!("the call outlived a plain timer of its whole timeout"),
+    };
     let took = started.elapsed();
     assert_eq!(answer.source, local(LocalReason::Timeout));
     assert_eq!(answer.outcome, HitOutcome::Ok);
-    // The fleet gets 49 ms; the slack covers the timer's 1 ms tick and scheduling.
+    // The fleet gets 49 ms: a late timer only makes it longer.
     assert!(took >= Duration::from_millis(45), "{took:?}");
-    assert!(took < timeout + Duration::from_millis(5), "{took:?}");
 }
 
 #[tokio::test]
@@ -376,20 +388,27 @@ async fn open_breaker_skips_the_fleet_without_waiting() {
     assert_eq!(r.edge.store().calls().0, 3);
     // Any call that reached the fleet now would take the whole budget.
     r.edge.store().set(Behave::Hang);
+    // Without waiting: answered on the call's first poll, so nothing was
+    // awaited (a timer or the fleet), whatever the host's speed.
     for _ in 0..100 {
-        let started = Instant::now();
-        let answer = r.edge.hit(charge_only(), BUDGET).await.unwrap();
-        let took = started.elapsed();
+        let answer = r
+            .edge
+            .hit(charge_only(), BUDGET)
+            .now_or_never()
+            .expect("answered without waiting")
+            .unwrap();
         assert_eq!(answer.source, local(LocalReason::BreakerOpen));
-        assert!(took < Duration::from_millis(1), "{took:?}");
         r.clock.advance_us(100_000);
     }
-    let started = Instant::now();
     assert_eq!(
-        r.edge.reset("acme", BUDGET).await.unwrap().source,
+        r.edge
+            .reset("acme", BUDGET)
+            .now_or_never()
+            .expect("answered without waiting")
+            .unwrap()
+            .source,
         local(LocalReason::BreakerOpen)
     );
-    assert!(started.elapsed() < Duration::from_millis(1));
     assert_eq!(r.edge.store().calls(), (3, 0, 0), "the fleet got no call");
     let stats = r.edge.stats();
     assert_eq!(stats.local_breaker_open, 101);
@@ -555,15 +574,15 @@ async fn a_failed_fleet_settle_never_becomes_a_local_commit() {
     assert_eq!(retry.source, local(LocalReason::NoResponders));
     assert_eq!(r.edge.breaker().state(), BreakerState::Open);
 
-    // With the breaker open, a fleet settle fails fast without a call.
-    let started = Instant::now();
+    // With the breaker open, a fleet settle fails fast without a call: on its
+    // first poll, nothing awaited.
     let err = r
         .edge
         .settle(settle("k0", "h0", Settlement::Commit), BUDGET)
-        .await
+        .now_or_never()
+        .expect("answered without waiting")
         .unwrap_err();
     assert!(err.is_outage(), "{err:?}");
-    assert!(started.elapsed() < Duration::from_millis(1));
     assert_eq!(r.edge.store().calls().1, 1);
     assert_eq!(r.edge.stats().errors, 2);
 }

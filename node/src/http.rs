@@ -368,27 +368,33 @@ mod tests {
 
     #[tokio::test]
     async fn connections_past_the_cap_wait_for_a_place_and_each_lives_a_bounded_time() {
+        let lifetime = Duration::from_secs(1);
         let tcp = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        let listener = BoundedListener::new(tcp, 2, Duration::from_millis(300));
+        let listener = BoundedListener::new(tcp, 2, lifetime);
         let addr = listener.local_addr().expect("address");
         let app = Router::new().route("/healthz", get(|| async { "ok\n" }));
         tokio::spawn(async move { axum::serve(listener, app).await });
 
-        // Two connections that never send a request take both places.
+        // Two connections that never send a request take both places: the
+        // kernel hands connections to `accept` in the order they came, so
+        // these two are accepted before the scraper, however late. Each
+        // lives `lifetime` from its accept, which comes after `connecting`.
+        let connecting = tokio::time::Instant::now();
         let mut silent = Vec::new();
         for _ in 0..2 {
             silent.push(TcpStream::connect(addr).await.expect("connect"));
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
         let mut scraper = TcpStream::connect(addr).await.expect("connect");
         scraper
             .write_all(b"GET /healthz HTTP/1.1\r\nhost: node\r\nconnection: close\r\n\r\n")
             .await
             .expect("send");
+        // No answer while both places are certainly held: until a tick before
+        // the earliest instant their lifetime can end (a slow host only
+        // shortens the wait, never makes it overlap a freed place).
+        let held = connecting + lifetime - Duration::from_millis(100);
         let mut answer = Vec::new();
-        let early =
-            tokio::time::timeout(Duration::from_millis(150), scraper.read_to_end(&mut answer))
-                .await;
+        let early = tokio::time::timeout_at(held, scraper.read_to_end(&mut answer)).await;
         assert!(early.is_err(), "answered past the cap: {answer:?}");
 
         // Their lifetime over, the silent ones are dropped and the scraper's

@@ -1,12 +1,20 @@
 //! The `ankusa` CLI as a person uses it: `--help`, and `hit`, `settle`, `reset`
 //! and `status` against a standalone node started here on a real nats-server
 //! (found as `NATS_SERVER_BIN` or on PATH; the test fails without one).
+//!
+//! This crate cannot use the shared harness (`ankusa-tests` depends on it), so
+//! it finds nats-server the same way on its own. Every run of the CLI is
+//! bounded ([`BOUND`]): one that hangs fails the test instead of holding it.
 
+use std::io::Read;
 use std::net::TcpListener;
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
+
+/// The longest one run of the CLI may take.
+const BOUND: Duration = Duration::from_secs(60);
 
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
@@ -15,15 +23,86 @@ fn free_port() -> u16 {
         .expect("a free loopback port")
 }
 
+/// `NATS_SERVER_BIN` if set, else `nats-server` on PATH; a panic that says how
+/// to get one otherwise.
 fn nats_server() -> PathBuf {
-    if let Some(path) = std::env::var_os("NATS_SERVER_BIN") {
-        return PathBuf::from(path);
+    const HINT: &str = "run with NATS_SERVER_BIN=$(scripts/ensure-nats.sh), \
+                        which finds or installs a nats-server";
+    if let Some(path) = std::env::var_os("NATS_SERVER_BIN").filter(|p| !p.is_empty()) {
+        let path = PathBuf::from(path);
+        assert!(
+            path.is_file(),
+            "NATS_SERVER_BIN={} is no file; {HINT}",
+            path.display()
+        );
+        return path;
     }
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)
         .map(|dir| dir.join("nats-server"))
         .find(|p| p.is_file())
-        .expect("nats-server is needed (scripts/ensure-nats.sh installs one)")
+        .unwrap_or_else(|| {
+            panic!("no nats-server: NATS_SERVER_BIN is unset and none is on PATH; {HINT}")
+        })
+}
+
+/// Waits for `child` to end, at most `BOUND`, and collects what it wrote (on
+/// threads, so that a full pipe never holds it up). One that runs longer is
+/// killed, and the test fails.
+fn wait_within(mut child: Child, what: &str) -> Output {
+    let drain = |pipe: Option<Box<dyn Read + Send>>| {
+        pipe.map(|mut pipe| {
+            std::thread::spawn(move || {
+                let mut bytes = Vec::new();
+                let _ = pipe.read_to_end(&mut bytes);
+                bytes
+            })
+        })
+    };
+    let stdout = drain(
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let stderr = drain(
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for the CLI") {
+            break status;
+        }
+        if started.elapsed() > BOUND {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what} ran for over {BOUND:?} and was killed");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let collect = |reader: Option<std::thread::JoinHandle<Vec<u8>>>| {
+        reader.map_or_else(Vec::new, |r| r.join().expect("pipe reader"))
+    };
+    Output {
+        status,
+        stdout: collect(stdout),
+        stderr: collect(stderr),
+    }
+}
+
+/// `cmd`'s output, like [`Command::output`] but bounded.
+fn output_within(mut cmd: Command) -> Output {
+    let what = format!("{:?}", cmd);
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("ankusa runs");
+    wait_within(child, &what)
 }
 
 /// Kills its child when dropped, so a failing test leaves nothing running.
@@ -57,7 +136,7 @@ fn ankusa_command(nats: &str, args: &[&str]) -> Command {
 }
 
 fn ankusa(nats: &str, args: &[&str]) -> Output {
-    ankusa_command(nats, args).output().expect("ankusa runs")
+    output_within(ankusa_command(nats, args))
 }
 
 fn stdout(out: &Output) -> String {
@@ -66,10 +145,9 @@ fn stdout(out: &Output) -> String {
 
 #[test]
 fn help_lists_every_subcommand() {
-    let out = Command::new(env!("CARGO_BIN_EXE_ankusa"))
-        .arg("--help")
-        .output()
-        .expect("ankusa runs");
+    let mut help = Command::new(env!("CARGO_BIN_EXE_ankusa"));
+    help.arg("--help");
+    let out = output_within(help);
     assert!(out.status.success());
     let text = stdout(&out);
     for sub in ["hit", "settle", "reset", "status", "bench"] {
@@ -178,7 +256,7 @@ fn calls_against_a_standalone_node() {
         .spawn()
         .expect("ankusa runs");
     drop(gone.stdout.take());
-    let gone = gone.wait_with_output().expect("ankusa ends");
+    let gone = wait_within(gone, "ankusa hit with its stdout closed");
     let said = String::from_utf8_lossy(&gone.stderr);
     assert!(!said.contains("panicked"), "{said}");
     assert_eq!(gone.status.signal(), Some(libc::SIGPIPE), "{gone:?}");
@@ -187,18 +265,17 @@ fn calls_against_a_standalone_node() {
     // The budget is roomy so that a loaded machine's stalls land inside the
     // retries (which then say `no_responders`) rather than past the deadline.
     let start = Instant::now();
-    let none = Command::new(env!("CARGO_BIN_EXE_ankusa"))
-        .args([
-            "--nats",
-            &nats,
-            "--instance",
-            "nobody",
-            "--timeout-ms",
-            "2000",
-        ])
-        .args(["hit", "--tenant", "acme"])
-        .output()
-        .expect("ankusa runs");
+    let mut none = Command::new(env!("CARGO_BIN_EXE_ankusa"));
+    none.args([
+        "--nats",
+        &nats,
+        "--instance",
+        "nobody",
+        "--timeout-ms",
+        "2000",
+    ])
+    .args(["hit", "--tenant", "acme"]);
+    let none = output_within(none);
     assert_eq!(none.status.code(), Some(1), "{none:?}");
     let said = String::from_utf8_lossy(&none.stderr);
     assert!(said.contains("code no_responders"), "{said}");
@@ -207,10 +284,9 @@ fn calls_against_a_standalone_node() {
     // Status only looks: an instance no node has run is an error, twice over,
     // since the first look did not create its buckets.
     for _ in 0..2 {
-        let status = Command::new(env!("CARGO_BIN_EXE_ankusa"))
-            .args(["--nats", &nats, "--instance", "nobody", "status"])
-            .output()
-            .expect("ankusa runs");
+        let mut status = Command::new(env!("CARGO_BIN_EXE_ankusa"));
+        status.args(["--nats", &nats, "--instance", "nobody", "status"]);
+        let status = output_within(status);
         assert_eq!(status.status.code(), Some(1), "{status:?}");
         let said = String::from_utf8_lossy(&status.stderr);
         assert!(

@@ -28,6 +28,10 @@
 //!    overlaps a fault window
 //!    `[fault start, fault end + lease TTL + attribution slack]`. Attributed
 //!    conflicts are reported, never hidden, but they are not violations.
+//!    Except that a graceful fault (a node's stop, [`FaultKind::StopNode`], or
+//!    one joining, [`FaultKind::AddNode`]) hands its shards over with their
+//!    state: it explains no conflict with a commit that had completed `Ok`
+//!    before the fault began, which the new owner must load.
 //!    `clock_tolerance` is taken off every expiry, because nodes time claims by
 //!    the system clock and the history by the monotonic one.
 //! 3. **Deadlines.** Every call completed within `timeout + deadline_slack`,
@@ -539,23 +543,40 @@ fn check_double_accepts(
             continue;
         };
         report.accepts_checked += 1;
-        let Some(holder) = group.iter().find(|holder| {
-            holder.hook_id() != second.hook_id()
-                && certainly_held(group, holder, second, config.clock_tolerance)
-        }) else {
+        // Every hook that certainly held the key, commits first: the
+        // conflict stands on the one least explained.
+        let mut holders: Vec<&Event> = group
+            .iter()
+            .copied()
+            .filter(|holder| {
+                holder.hook_id() != second.hook_id()
+                    && certainly_held(group, holder, second, config.clock_tolerance)
+            })
+            .collect();
+        if holders.is_empty() {
             continue;
+        }
+        holders.sort_by_key(|holder| !is_commit(holder));
+        let explain = |holder: &Event| {
+            let holder_source = holder.result.answered().unwrap_or(Answered::Fleet);
+            if second_source == Answered::Local || holder_source == Answered::Local {
+                Some(Attribution::Local)
+            } else {
+                fault_windows
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, w)| overlaps(**w, (second.invoked, second.completed)))
+                    .map(|(index, _)| index)
+                    .find(|&index| fault_explains(&faults[index], holder))
+                    .map(|index| Attribution::Fault {
+                        index,
+                        kind: faults[index].kind,
+                    })
+            }
         };
-        let holder_source = holder.result.answered().unwrap_or(Answered::Fleet);
-        let why = if second_source == Answered::Local || holder_source == Answered::Local {
-            Some(Attribution::Local)
-        } else {
-            fault_windows
-                .iter()
-                .position(|w| overlaps(*w, (second.invoked, second.completed)))
-                .map(|index| Attribution::Fault {
-                    index,
-                    kind: faults[index].kind,
-                })
+        let (holder, why) = match holders.iter().find(|holder| explain(holder).is_none()) {
+            Some(unexplained) => (*unexplained, None),
+            None => (holders[0], explain(holders[0])),
         };
         match why {
             Some(why) => report.attributed.push(AttributedConflict {
@@ -583,6 +604,17 @@ fn check_double_accepts(
             }),
         }
     }
+}
+
+/// Whether `fault` may explain a conflict with `holder`. Any fault may, but a
+/// graceful one: a node that stops on SIGTERM, or shards moving to a node
+/// that joins, hand over state written before the handover, so a commit
+/// answered `Ok` before the fault began is loaded by the new owner.
+fn fault_explains(fault: &FaultEvent, holder: &Event) -> bool {
+    let graceful = matches!(fault.kind, FaultKind::StopNode | FaultKind::AddNode);
+    let committed_before =
+        is_commit(holder) && settled_ok(holder).is_some() && holder.completed < fault.start;
+    !(graceful && committed_before)
 }
 
 fn check_deadlines(
@@ -869,5 +901,131 @@ fn check_takeover(
             }
         }
         report.takeover_by_fault[index] = worst;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::history::ClaimRef;
+    use crate::requests::hooks;
+
+    const MS: Micros = 1_000;
+
+    fn event(op: OpKind, hook: &str, at_ms: u64, result: CallResult) -> Event {
+        Event {
+            client: "c".into(),
+            op,
+            tenant: "t".into(),
+            shard: 0,
+            claim: Some(ClaimRef {
+                source_id: "src".into(),
+                key: "k".into(),
+                hook_id: hook.into(),
+                ttl_ms: 60_000,
+                pending_ttl_ms: 30_000,
+            }),
+            charges: vec![hooks("t", 1000, 1)],
+            invoked: at_ms * MS,
+            completed: at_ms * MS + MS,
+            timeout: 250 * MS,
+            result,
+        }
+    }
+
+    fn ok() -> CallResult {
+        CallResult::Hit(HitOutcome::Ok, Answered::Fleet)
+    }
+
+    fn committed() -> CallResult {
+        CallResult::Settle(SettleOutcome::Ok, Answered::Fleet)
+    }
+
+    fn fault(kind: FaultKind) -> Vec<FaultEvent> {
+        vec![FaultEvent {
+            kind,
+            target: "node-a".into(),
+            start: 50 * MS,
+            end: Some(1_000 * MS),
+        }]
+    }
+
+    /// h1 claims k and commits it before the fault; h2 is accepted on k
+    /// during the fault's window.
+    fn committed_before_the_fault() -> Vec<Event> {
+        vec![
+            event(OpKind::Hit, "h1", 0, ok()),
+            event(OpKind::Settle(Settlement::Commit), "h1", 10, committed()),
+            event(OpKind::Hit, "h2", 2_000, ok()),
+        ]
+    }
+
+    fn double_accepts(report: &Report) -> usize {
+        report.violations_of(Rule::DoubleAccept)
+    }
+
+    #[test]
+    fn a_graceful_fault_does_not_explain_losing_an_earlier_commit() {
+        let config = CheckerConfig::default();
+        for kind in [FaultKind::StopNode, FaultKind::AddNode] {
+            let report = check(&committed_before_the_fault(), &fault(kind), &config);
+            assert_eq!(double_accepts(&report), 1, "{kind:?}: {}", report.render());
+            assert!(report.attributed.is_empty(), "{kind:?}");
+        }
+        // A hard fault still may (the node died with what it had not written).
+        for kind in [
+            FaultKind::KillNode,
+            FaultKind::RestartNats,
+            FaultKind::NetCut,
+        ] {
+            let report = check(&committed_before_the_fault(), &fault(kind), &config);
+            assert_eq!(double_accepts(&report), 0, "{kind:?}: {}", report.render());
+            assert_eq!(report.attributed.len(), 1, "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn a_graceful_fault_explains_a_commit_made_during_it_or_a_pending_claim() {
+        let config = CheckerConfig::default();
+        let during = vec![
+            event(OpKind::Hit, "h1", 0, ok()),
+            event(OpKind::Settle(Settlement::Commit), "h1", 60, committed()),
+            event(OpKind::Hit, "h2", 2_000, ok()),
+        ];
+        let report = check(&during, &fault(FaultKind::StopNode), &config);
+        assert_eq!(double_accepts(&report), 0, "{}", report.render());
+        assert_eq!(report.attributed.len(), 1);
+
+        let pending = vec![
+            event(OpKind::Hit, "h1", 0, ok()),
+            event(OpKind::Hit, "h2", 2_000, ok()),
+        ];
+        let report = check(&pending, &fault(FaultKind::AddNode), &config);
+        assert_eq!(double_accepts(&report), 0, "{}", report.render());
+        assert_eq!(report.attributed.len(), 1);
+    }
+
+    #[test]
+    fn another_overlapping_fault_may_still_explain_it() {
+        let mut faults = fault(FaultKind::StopNode);
+        faults.push(FaultEvent {
+            kind: FaultKind::KillNode,
+            start: 1_500 * MS,
+            end: Some(1_600 * MS),
+            ..faults[0].clone()
+        });
+        let report = check(
+            &committed_before_the_fault(),
+            &faults,
+            &CheckerConfig::default(),
+        );
+        assert_eq!(double_accepts(&report), 0, "{}", report.render());
+        assert_eq!(
+            report.attributed[0].why,
+            Attribution::Fault {
+                index: 1,
+                kind: FaultKind::KillNode
+            }
+        );
     }
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use ankusa_actors::{Charge, HitOutcome, HitRequest, Kind};
 use ankusa_bus::protocol::{ErrorCode, Op, Reply, ReplyBody, Request, MAX_BATCH};
-use ankusa_bus::{shard_of, FleetConfig, FleetStore, NatsOptions, Store, Subjects};
+use ankusa_bus::{shard_of, FleetConfig, FleetStore, NatsOptions, Store, StoreError, Subjects};
 use ankusa_tests::requests::hit;
 use ankusa_tests::{wait_until, NatsServer, NodeProcess, NodeSpec};
 use bytes::Bytes;
@@ -18,7 +18,10 @@ use futures::StreamExt;
 
 const SHARDS: u32 = 16;
 const QUEUE: usize = 64;
-const DEADLINE: Duration = Duration::from_millis(250);
+/// The victim's deadline per call: roomy, so that a call the node answers at
+/// all is answered within it however loaded the host, and a timeout says the
+/// victim was starved rather than that the host was slow.
+const DEADLINE: Duration = Duration::from_secs(5);
 
 /// The flood: this many full batches (256 hits each, all for one tenant), at most
 /// `IN_FLIGHT` unanswered at a time, plus as many single requests.
@@ -165,6 +168,7 @@ async fn a_flooding_tenant_is_shed_while_its_shard_neighbour_is_served() {
         tokio::spawn(async move {
             let mut latencies = Vec::new();
             let mut wrong = Vec::new();
+            let (mut failed, mut starved) = (0usize, 0usize);
             let mut n = 0;
             while !stop.load(Ordering::Relaxed) {
                 n += 1;
@@ -176,11 +180,23 @@ async fn a_flooding_tenant_is_shed_while_its_shard_neighbour_is_served() {
                     )
                     .await;
                 latencies.push(started.elapsed());
-                if got != Ok(HitOutcome::Ok) && wrong.len() < 20 {
-                    wrong.push(format!("evt-{n}: {got:?}"));
+                if got != Ok(HitOutcome::Ok) {
+                    failed += 1;
+                    // Shed with the flooder, or kept waiting past a roomy deadline.
+                    if matches!(&got, Err(StoreError::Timeout(_)))
+                        || matches!(
+                            &got,
+                            Err(StoreError::Refused(refusal)) if refusal.code == ErrorCode::Overloaded
+                        )
+                    {
+                        starved += 1;
+                    }
+                    if wrong.len() < 20 {
+                        wrong.push(format!("evt-{n}: {got:?}"));
+                    }
                 }
             }
-            (latencies, wrong)
+            (latencies, wrong, failed, starved)
         })
     };
 
@@ -194,11 +210,10 @@ async fn a_flooding_tenant_is_shed_while_its_shard_neighbour_is_served() {
     .await;
     let flood_took = started.elapsed();
     stop.store(true, Ordering::Relaxed);
-    let (mut latencies, wrong) = victim_task.await.expect("victim task");
+    let (mut latencies, wrong, failed, starved) = victim_task.await.expect("victim task");
 
     latencies.sort();
     let calls = latencies.len();
-    let failed = wrong.len();
     let p50 = latencies[calls / 2];
     let p99 = latencies[(calls * 99 / 100).min(calls - 1)];
     let max = latencies[calls - 1];
@@ -222,11 +237,22 @@ async fn a_flooding_tenant_is_shed_while_its_shard_neighbour_is_served() {
     assert!(shed.ok > 0, "the flooder got nothing done: {shed:?}");
     // The neighbour on the same shard kept its service.
     assert!(calls >= 50, "the victim made only {calls} calls");
+    assert_eq!(
+        starved, 0,
+        "victim calls shed or timed out with a {DEADLINE:?} deadline: {wrong:#?}"
+    );
     assert!(
         failed * 100 <= calls,
         "{failed} of {calls} victim calls failed: {wrong:#?}"
     );
-    assert!(p99 < DEADLINE, "victim p99 {p99:?} against {DEADLINE:?}");
+    // The latencies are printed above, not held to a speed target, which a
+    // loaded 2-vCPU host misses for its own reasons. This bound only catches
+    // a victim answered, but kept waiting behind the flood for most of its
+    // deadline.
+    assert!(
+        p99 < DEADLINE / 2,
+        "victim p99 {p99:?} against {DEADLINE:?}"
+    );
     // And the node counted the shedding.
     let counted = node
         .metric("ankusa_requests_refused_total{code=\"overloaded\"}")

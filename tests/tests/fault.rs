@@ -117,8 +117,23 @@ impl Nats {
                 s.name().to_string()
             }
             Nats::Cluster(c) => {
-                let leader = c.meta_leader().await.unwrap_or_else(|_| "n1".into());
-                let i = c.index_of(&leader).unwrap_or(0);
+                // The meta leader, once the members agree on one (they may
+                // not for a moment after an earlier fault): the run restarts
+                // the leader, never some other member in its place.
+                let started = std::time::Instant::now();
+                let leader = loop {
+                    match c.meta_leader().await {
+                        Ok(leader) => break leader,
+                        Err(why) if started.elapsed() < Duration::from_secs(20) => {
+                            eprintln!("no agreed meta leader yet: {why}");
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                        }
+                        Err(why) => panic!("the cluster agreed on no meta leader in 20 s: {why}"),
+                    }
+                };
+                let i = c.index_of(&leader).unwrap_or_else(|| {
+                    panic!("the meta leader {leader} is no member of the cluster")
+                });
                 c.restart(i).await.expect("cluster member restarts");
                 c.wait_ready(Duration::from_secs(20))
                     .await
@@ -189,10 +204,16 @@ impl Fleet {
             .expect("a node of this fleet")
     }
 
+    /// Every node ready within `within`, or the run stops here: faults on a
+    /// fleet that never formed would test nothing they claim to.
     async fn wait_all_ready(&self, within: Duration) {
         for node in &self.nodes {
             if let Err(why) = node.wait_ready(within).await {
-                eprintln!("warning: {why}");
+                panic!(
+                    "node {} was not ready within {within:?} of the fleet's start: {why}\n{}",
+                    node.spec.node_id,
+                    node.log_tail(30)
+                );
             }
         }
     }

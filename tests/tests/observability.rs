@@ -69,11 +69,9 @@ async fn metrics_health_and_readiness() {
         .await
         .expect("answered");
 
-    // Gauges refresh every second.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let (status, metrics) = node.http("/metrics").await.expect("metrics");
-    assert_eq!(status, 200);
-    for line in [
+    // Some gauges refresh on a tick of their own: scraped until every line
+    // is there (bounded), then each checked on the last scrape.
+    let expected = [
         "ankusa_requests_total{result=\"ok\"}",
         "ankusa_requests_total{result=\"duplicate\"}",
         "ankusa_requests_total{result=\"rate_limited\"}",
@@ -94,7 +92,22 @@ async fn metrics_health_and_readiness() {
         "ankusa_lease_renew_failures_total 0",
         "ankusa_nats_connected 1",
         "# HELP ankusa_claims",
-    ] {
+    ];
+    let last = std::cell::RefCell::new(String::new());
+    let all_there = wait_until(Duration::from_secs(10), || async {
+        match node.http("/metrics").await {
+            Ok((200, body)) => {
+                let complete = expected.iter().all(|line| body.contains(line));
+                *last.borrow_mut() = body;
+                complete
+            }
+            _ => false,
+        }
+    })
+    .await;
+    println!("/metrics had every expected line after {all_there:?}");
+    let metrics = last.into_inner();
+    for line in expected {
         assert!(
             metrics.contains(line),
             "no `{line}` in /metrics:\n{metrics}"
@@ -160,6 +173,20 @@ async fn run_status(nats: &NatsServer, node: &NodeProcess, shards: u32) -> std::
         .expect("ankusa runs")
 }
 
+/// Whether every listed node's gauges say it is connected and owns the
+/// shards the map gives it.
+fn gauges_match_the_map(status: &serde_json::Value) -> bool {
+    let Some(nodes) = status["nodes"].as_array() else {
+        return false;
+    };
+    nodes.iter().all(|node| {
+        let leased = node["shards"].as_array().map(Vec::len);
+        node["metrics_error"].is_null()
+            && node["gauges"]["nats_connected"] == 1.0
+            && node["gauges"]["shards_owned"].as_f64() == leased.map(|n| n as f64)
+    })
+}
+
 /// Each listed node's name, with its leased shards.
 fn leased_shards(status: &serde_json::Value) -> Vec<(String, Vec<u64>)> {
     let nodes = status["nodes"].as_array().expect("nodes");
@@ -203,10 +230,19 @@ async fn status_shows_the_shard_map_each_nodes_gauges_and_a_silent_node() {
     })
     .await;
     assert!(split.is_ok(), "the shards were never split");
-    // The gauges are published once a second.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-
-    let status = fleet_status(&nats, &first).await;
+    // The gauges are published on a tick: asked again (bounded) until every
+    // node's gauges agree with the map, then each part checked on the last
+    // answer.
+    let last = std::cell::RefCell::new(serde_json::Value::Null);
+    let agreed = wait_until(Duration::from_secs(10), || async {
+        let status = fleet_status(&nats, &first).await;
+        let matched = gauges_match_the_map(&status);
+        *last.borrow_mut() = status;
+        matched
+    })
+    .await;
+    println!("the gauges matched the shard map after {agreed:?}");
+    let status = last.into_inner();
     let leased = leased_shards(&status);
     let names: Vec<&str> = leased.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names, ["status-a", "status-b"], "{status:#}");

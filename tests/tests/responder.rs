@@ -91,18 +91,32 @@ async fn a_stopped_responder_answers_every_request_already_delivered() {
     edge.flush().await.expect("flush");
     node_connection.flush().await.expect("flush");
 
-    let stopping = tokio::spawn(responder.stop(Duration::from_secs(30)));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The stop's first poll tells the responder's loop to stop; it then
+    // waits for that loop, which cannot run while its thread is held. Only
+    // then is the loop let go: it first learns of the stop with every
+    // request still waiting in its subscription, so the drain is what
+    // answers them.
+    let stopping = responder.stop(Duration::from_secs(30));
+    tokio::pin!(stopping);
+    assert!(
+        futures::poll!(&mut stopping).is_pending(),
+        "the stop ended while the responder's loop was held"
+    );
     let _ = release.send(());
-    stopping.await.expect("the stop ends");
+    tokio::time::timeout(Duration::from_secs(60), &mut stopping)
+        .await
+        .expect("the stop ends");
     let _ = done.send(());
     side.join().expect("the responder's thread ends");
 
+    // Every answer, or as many as come within 30 s.
     let mut answered = HashSet::new();
-    while let Ok(Some(message)) =
-        tokio::time::timeout(Duration::from_millis(500), answers.next()).await
-    {
-        take(&mut answered, message);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while answered.len() < REQUESTS {
+        match tokio::time::timeout_at(deadline, answers.next()).await {
+            Ok(Some(message)) => take(&mut answered, message),
+            Ok(None) | Err(_) => break,
+        }
     }
     assert_eq!(
         answered.len(),
