@@ -5,15 +5,17 @@
 #   ankusa bench --compare   (bare NATS echo, Redis + Lua, fleet without and with
 #                             edge batching, the batching edge against a node
 #                             that does nothing, p99 at half the fleet's peak), in R
-#                             rounds where the stores take turns (each ratio the
-#                             median of its rounds'), K times
+#                             rounds where the stores take turns, each round
+#                             starting with the next store (each ratio the
+#                             median of its rounds'), K times; every run after
+#                             a 2 s warm-up of the same tenants
 #   ankusa bench durable     (KV group commit vs sequential puts)
 #   ankusa bench recovery    (load 100,000 claims of one shard)
 #   ankusa bench memory      (with --memory: node RSS per committed claim, per
 #                             idle tenant and its control, each on a fresh
 #                             standalone node; adds about 6 minutes)
 # and prints everything. Every process it starts is stopped on exit. The default
-# run takes about 4 minutes once built.
+# run takes about 5 minutes once built.
 #
 #   scripts/bench.sh [--duration S] [--nodes N] [--shards S] [--runs K] [--rounds R]
 #                    [--memory | --memory-only] [--memory-count N]
@@ -44,7 +46,7 @@ while [ $# -gt 0 ]; do
     --memory-count) memory_count=$2; shift 2 ;;
     --memory-what) memory_what=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     *) echo "bench.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -195,17 +197,19 @@ if [ "$profile" = 1 ]; then
   # Flame graphs are a bonus: without inferno (and no way to install it) the
   # profiles are still printed.
   inferno=$(scripts/ensure-inferno.sh) || { inferno=""; echo "bench.sh: no inferno, so no flame graphs" >&2; }
-  ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; } # user + system CPU, clock ticks
   start_fleet prof "$nodes" "$shards"
-  # A warm-up (tenants spawned, tables grown), then the measured run.
-  cli --instance prof --shards "$shards" bench --batching "$batching" --duration-s 3 >/dev/null
-  nats_before=$(ticks "$nats_pid") nodes_before=0
-  for pid in "${node_pids[@]}"; do nodes_before=$((nodes_before + $(ticks "$pid"))); done
+  # The bench's own warm-up (the same tenants: actors spawned, tables grown,
+  # routes learned), then the measured run; the processes' CPU is read over
+  # the measured run alone (--cpu-of, into the JSON report).
+  warmup=3
+  cpu_of=(--cpu-of "nats-server=$nats_pid")
+  for pid in "${node_pids[@]}"; do cpu_of+=(--cpu-of "node=$pid"); done
   # Not through cli(): $! must be the load generator itself, not a subshell.
   "$cli_bin" --nats "$nats_url" --instance prof --shards "$shards" bench --batching "$batching" \
-    --duration-s "$duration" --json "$out/profile-bench.json" >"$out/profile-bench.txt" &
+    --warmup-s "$warmup" --duration-s "$duration" "${cpu_of[@]}" \
+    --json "$out/profile-bench.json" >"$out/profile-bench.txt" &
   loadgen=$!
-  sleep 1
+  sleep $((warmup + 1))
   # Both recordings at once, over the middle of the run.
   record_s=$((duration > 4 ? duration - 3 : 1))
   perf record -q -e cpu-clock -F 499 --call-graph dwarf,16384 -p "${node_pids[0]}" \
@@ -215,17 +219,14 @@ if [ "$profile" = 1 ]; then
     -o "$out/loadgen.perf" -- sleep "$record_s" >/dev/null 2>&1 || true
   wait "$node_recorder" || true
   wait "$loadgen"
-  nats_after=$(ticks "$nats_pid") nodes_after=0
-  for pid in "${node_pids[@]}"; do nodes_after=$((nodes_after + $(ticks "$pid"))); done
   cat "$out/profile-bench.txt"
   for addr in "${node_https[@]}"; do curl -fsS --max-time 2 "http://$addr/metrics"; done >"$out/profile-metrics.txt"
-  python3 - "$out/profile-bench.json" "$out/profile-metrics.txt" "$(getconf CLK_TCK)" \
-    "$((nodes_after - nodes_before))" "$((nats_after - nats_before))" "$batching" \
+  python3 - "$out/profile-bench.json" "$out/profile-metrics.txt" "$batching" \
     <<'EOF' | tee "$out/profile-cpu.txt"
 import json, sys
 report = json.load(open(sys.argv[1]))
-hz = float(sys.argv[3])
-nodes, nats = (int(t) / hz for t in sys.argv[4:6])
+cpu = report.get("process_cpu_s", {})
+nodes, nats = (cpu.get(name, float("nan")) for name in ("node", "nats-server"))
 loadgen = report.get("loadgen_cpu_s") or float("nan")
 pairs = report["hits"]
 metrics = {}
@@ -237,7 +238,7 @@ def mean_ms(name, labels=""):
     count = metrics.get(f"{name}_count{labels}", 0.0)
     return 1000 * metrics.get(f"{name}_sum{labels}", 0.0) / count if count else float("nan")
 # Batched, the edge sends node batches; unbatched, lone hits.
-what, op = ("a batch", "node_batch") if sys.argv[6] == "on" else ("a hit", "hit")
+what, op = ("a batch", "node_batch") if sys.argv[3] == "on" else ("a hit", "hit")
 answered = mean_ms("ankusa_request_duration_seconds", f'{{op="{op}"}}')
 ack = mean_ms("ankusa_kv_write_seconds")
 changes = metrics.get("ankusa_claim_log_batch_sum", 0) / max(metrics.get("ankusa_claim_log_batch_count", 0), 1)

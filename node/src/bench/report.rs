@@ -1,6 +1,12 @@
 //! What a finished run measured, and how it is told: a run's figures
 //! (throughput, HDR latency percentiles, counts by outcome), printed as JSON
 //! or as tables, and the ratios between runs.
+//!
+//! A run can be unfit to stand for its store ([`WorkloadReport::flaw`]): more
+//! than [`MAX_ERROR_SHARE`] of its calls failed, calls were abandoned at its
+//! hard end, or (open loop) more than [`MAX_LATE_SHARE`] of its hits were sent
+//! late, so the rate offered was not the rate meant. Its figures are still
+//! printed, flagged, and no target is judged on them.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -9,7 +15,15 @@ use ankusa_bus::StoreError;
 use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 
-use super::workload::WorkloadConfig;
+use super::workload::{LoadMode, WorkloadConfig};
+
+/// Most calls (hits, or settles) of a run that may fail for its figures to
+/// be judged: above it, the store was not serving the workload.
+pub const MAX_ERROR_SHARE: f64 = 0.001;
+/// Most hits of an open-loop run that may be sent late (or not at all) for
+/// its figures to be judged: above it, the load generator did not offer the
+/// rate it was to.
+pub const MAX_LATE_SHARE: f64 = 0.01;
 
 /// Latency percentiles of one kind of call, µs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -99,18 +113,33 @@ pub struct WorkloadReport {
     pub config: WorkloadConfig,
     /// From the start to the last answer.
     pub elapsed_s: f64,
+    /// Hits answered with an outcome (ok, duplicate, pending, rate limited);
+    /// failed ones are only in `hit_outcomes.errors`.
     pub hits: u64,
+    /// Settles answered with an outcome.
     pub settles: u64,
+    /// Answered hits per second.
     pub hits_per_sec: f64,
     pub settles_per_sec: f64,
+    /// Of the answered hits.
     pub hit_latency: LatencySummary,
     pub settle_latency: LatencySummary,
+    /// Of the failed hits (timeouts, disconnections, ...).
+    #[serde(default)]
+    pub hit_error_latency: LatencySummary,
+    #[serde(default)]
+    pub settle_error_latency: LatencySummary,
     pub hit_outcomes: HitCounts,
     pub settle_outcomes: SettleCounts,
     /// Open loop: hits sent more than 1 ms after they were due (the driver or
     /// `max_in_flight` could not keep up; their latency still counts from due).
     pub late_sends: u64,
-    /// Calls still outstanding when the run's hard end came; not counted above.
+    /// Open loop: hits due within the run never sent, the hard end having
+    /// come first.
+    #[serde(default)]
+    pub unsent: u64,
+    /// Calls still outstanding when the run's hard end came (they were
+    /// aborted); not counted above.
     pub abandoned: bool,
     /// CPU seconds this process (the load generator: the edge client, and for
     /// the echo baseline its responder too) used during the run; `None` where
@@ -174,6 +203,43 @@ impl WorkloadReport {
     pub fn labelled(mut self, label: impl Into<String>) -> Self {
         self.label = label.into();
         self
+    }
+
+    /// Why this run's figures cannot be judged, if they cannot: too many
+    /// failed calls, calls abandoned at the hard end, or (open loop) too many
+    /// hits sent late or never. See the module's doc.
+    pub fn flaw(&self) -> Option<String> {
+        if self.abandoned {
+            return Some("calls were abandoned at the hard end".into());
+        }
+        let hit_errors = self.hit_outcomes.errors_total();
+        let sent = self.hits + hit_errors;
+        if sent == 0 {
+            return Some("no hit was answered".into());
+        }
+        let calls = [
+            ("hits", hit_errors, sent),
+            (
+                "settles",
+                self.settle_outcomes.errors_total(),
+                self.settles + self.settle_outcomes.errors_total(),
+            ),
+        ];
+        for (what, failed, of) in calls {
+            if failed as f64 > MAX_ERROR_SHARE * of as f64 {
+                let share = 100.0 * failed as f64 / of as f64;
+                return Some(format!("{share:.2} % of {what} failed"));
+            }
+        }
+        if let LoadMode::Rate { .. } = self.config.mode {
+            let behind = self.late_sends + self.unsent;
+            let offered = sent + self.unsent;
+            if behind as f64 > MAX_LATE_SHARE * offered as f64 {
+                let share = 100.0 * behind as f64 / offered as f64;
+                return Some(format!("{share:.1} % of hits were sent late or never"));
+            }
+        }
+        None
     }
 
     /// How this run compares with `other`, figure by figure.
@@ -244,6 +310,13 @@ impl fmt::Display for WorkloadReport {
         )?;
         latency_row(f, "hit", &self.hit_latency)?;
         latency_row(f, "settle", &self.settle_latency)?;
+        // Failed calls' latency, apart, when there were any.
+        if self.hit_error_latency.count > 0 {
+            latency_row(f, "hit err", &self.hit_error_latency)?;
+        }
+        if self.settle_error_latency.count > 0 {
+            latency_row(f, "set err", &self.settle_error_latency)?;
+        }
         let h = &self.hit_outcomes;
         writeln!(
             f,
@@ -280,6 +353,16 @@ impl fmt::Display for WorkloadReport {
         }
         if self.late_sends > 0 {
             write!(f, "\n  late sends (> 1 ms after due): {}", self.late_sends)?;
+        }
+        if self.unsent > 0 {
+            write!(
+                f,
+                "\n  hits never sent (the hard end came first): {}",
+                self.unsent
+            )?;
+        }
+        if let Some(flaw) = self.flaw() {
+            write!(f, "\n  NOT JUDGED: {flaw}")?;
         }
         Ok(())
     }
@@ -347,8 +430,14 @@ pub fn comparison_table(reports: &[&WorkloadReport]) -> String {
                 .map_or_else(|| "-".into(), |busy| format!("{:.0}%", 100.0 * busy)),
         ));
     }
+    for r in reports {
+        if let Some(flaw) = r.flaw() {
+            out.push_str(&format!("{}: not judged: {flaw}\n", r.label));
+        }
+    }
     out.push_str(
-        "latencies in µs; gen µs/hit: the load generator's CPU per hit and its settle; \
+        "hits/s: answered calls only; latencies in µs, of answered calls; \
+         gen µs/hit: the load generator's CPU per hit and its settle; \
          host: the machine's CPU busy during the run",
     );
     out
@@ -401,4 +490,114 @@ pub fn cpu_table(reports: &[&WorkloadReport]) -> String {
     }
     out.push_str("CPU µs per hit and its settle, by process; rest: the host's other busy time");
     out
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    use crate::bench::workload::LoadMode;
+
+    /// A report of `hits` answered hits (each settled) in 1 s, nothing else.
+    pub(crate) fn report(label: &str, mode: LoadMode, hits: u64) -> WorkloadReport {
+        WorkloadReport {
+            label: label.into(),
+            config: WorkloadConfig {
+                mode,
+                ..WorkloadConfig::default()
+            },
+            elapsed_s: 1.0,
+            hits,
+            settles: hits,
+            hits_per_sec: hits as f64,
+            settles_per_sec: hits as f64,
+            hit_latency: LatencySummary::default(),
+            settle_latency: LatencySummary::default(),
+            hit_error_latency: LatencySummary::default(),
+            settle_error_latency: LatencySummary::default(),
+            hit_outcomes: HitCounts {
+                ok: hits,
+                ..HitCounts::default()
+            },
+            settle_outcomes: SettleCounts {
+                ok: hits,
+                ..SettleCounts::default()
+            },
+            late_sends: 0,
+            unsent: 0,
+            abandoned: false,
+            loadgen_cpu_s: None,
+            host_busy: None,
+            host_cpu_s: None,
+            process_cpu_s: BTreeMap::new(),
+        }
+    }
+
+    pub(crate) const CLOSED: LoadMode = LoadMode::Concurrency { in_flight: 8 };
+    const OPEN: LoadMode = LoadMode::Rate {
+        per_sec: 1000.0,
+        max_in_flight: 64,
+    };
+
+    #[test]
+    fn a_clean_run_stands() {
+        assert_eq!(report("a", CLOSED, 10_000).flaw(), None);
+        assert_eq!(report("a", OPEN, 10_000).flaw(), None);
+    }
+
+    #[test]
+    fn failures_above_a_thousandth_make_a_run_unfit() {
+        // 10 failed of 10,010 hits: just under 0.1 %.
+        let mut r = report("a", CLOSED, 10_000);
+        r.hit_outcomes.errors.insert("timeout".into(), 10);
+        assert_eq!(r.flaw(), None);
+        r.hit_outcomes.errors.insert("disconnected".into(), 2);
+        let flaw = r.flaw().expect("12 of 10,012 hits failed");
+        assert!(flaw.contains("of hits failed"), "{flaw}");
+        // Settles are held to the same share.
+        let mut r = report("a", CLOSED, 10_000);
+        r.settle_outcomes.errors.insert("timeout".into(), 11);
+        assert!(r.flaw().is_some_and(|f| f.contains("settles")));
+        assert!(r.to_string().contains("NOT JUDGED"), "{r}");
+        assert!(comparison_table(&[&r]).contains("a: not judged"));
+    }
+
+    #[test]
+    fn a_run_without_answers_or_with_abandoned_calls_is_unfit() {
+        let mut r = report("a", CLOSED, 0);
+        r.hit_outcomes.errors.insert("no_responders".into(), 50);
+        assert!(r.flaw().is_some_and(|f| f.contains("100.00 % of hits")));
+        assert!(report("a", CLOSED, 0).flaw().is_some());
+        let mut r = report("a", CLOSED, 10_000);
+        r.abandoned = true;
+        assert!(r.flaw().is_some_and(|f| f.contains("abandoned")));
+    }
+
+    #[test]
+    fn an_open_loop_that_fell_behind_is_unfit() {
+        let mut r = report("a", OPEN, 10_000);
+        r.late_sends = 100; // exactly 1 %
+        assert_eq!(r.flaw(), None);
+        r.late_sends = 101;
+        assert!(r.flaw().is_some_and(|f| f.contains("late")));
+        r.late_sends = 50;
+        r.unsent = 60;
+        assert!(r.flaw().is_some());
+        // A closed loop has no schedule to keep.
+        let mut r = report("a", CLOSED, 10_000);
+        r.late_sends = 5_000;
+        assert_eq!(r.flaw(), None);
+    }
+
+    #[test]
+    fn reports_without_the_new_fields_still_read() {
+        let r = report("a", CLOSED, 10);
+        let mut json: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
+        for field in ["hit_error_latency", "settle_error_latency", "unsent"] {
+            json.as_object_mut().unwrap().remove(field);
+        }
+        json["config"].as_object_mut().unwrap().remove("warmup_ms");
+        let back: WorkloadReport = serde_json::from_value(json).unwrap();
+        assert_eq!(back, r);
+    }
 }

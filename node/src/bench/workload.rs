@@ -23,8 +23,18 @@
 //! uses tenant names and keys unique to it, so runs against a long-lived store
 //! do not see each other's buckets or claims.
 //!
-//! Latency of every answered call is recorded, errors included (a timeout costs
-//! the sender its whole budget), in HDR histograms at µs resolution.
+//! With [`WorkloadConfig::warmup`], the same plan (the same tenant names) first
+//! runs that long and its figures are thrown away: a store's first call for a
+//! tenant starts that tenant's state (an actor, Lua keys), and a new client
+//! learns its routes, which is not what a store costs in steady state.
+//!
+//! Throughput counts *answered* calls only: those the store answered with an
+//! outcome (ok, duplicate, pending, rate limited; a settle's four). A failed
+//! call (timeout, disconnected, refused, ...) can come back at once, and a
+//! closed-loop worker then spins: counted as throughput, failures would raise
+//! hits/s and lower the p50. They are counted by kind, and their latency kept
+//! in histograms of their own, in HDR histograms at µs resolution like the
+//! answered calls'.
 
 use std::fmt;
 use std::io::IsTerminal;
@@ -42,6 +52,7 @@ use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Zipf};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, Semaphore};
+use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use super::cpu::{self, HostCpu, Watched};
@@ -49,6 +60,9 @@ use super::report::{error_kind, HitCounts, LatencySummary, SettleCounts, Workloa
 
 /// The longest run a config may ask for.
 pub const MAX_DURATION: Duration = Duration::from_secs(3600);
+/// The longest warm-up a config may ask for: enough to start every tenant and
+/// grow every table, short enough that a comparison of many runs stays bounded.
+pub const MAX_WARMUP: Duration = Duration::from_secs(60);
 /// Most calls one run may have in flight.
 pub const MAX_IN_FLIGHT: usize = 65_536;
 /// How long past its own budget a store may take before the driver gives up on
@@ -56,8 +70,13 @@ pub const MAX_IN_FLIGHT: usize = 65_536;
 pub const OVERRUN_GRACE: Duration = Duration::from_millis(25);
 /// How many recently committed keys are kept for duplicates to draw from.
 const RECENT_KEYS: usize = 4096;
-/// Histogram range: 1 µs .. 60 s, 3 significant digits.
-const HIST_MAX_US: u64 = 60_000_000;
+/// Slack above a run's longest possible latency in its histograms' range.
+const HIST_SLACK: Duration = Duration::from_secs(1);
+/// Mixed into the seed of a warm-up's random choices, so that the measured run
+/// draws the same sequence as a run without a warm-up would.
+const WARMUP_SEED: u64 = 0x5741_524d_5550;
+/// How long the open loop waits for its aborted calls to be gone.
+const ABORT_WAIT: Duration = Duration::from_secs(1);
 /// An open-loop hit sent this long after it was due counts as a late send.
 const LATE_SEND: Duration = Duration::from_millis(1);
 /// The open loop's scheduler sleeps at least this long between wake-ups and
@@ -190,6 +209,9 @@ pub struct WorkloadConfig {
     /// How long to offer load (in-flight calls are then let finish).
     #[serde(rename = "duration_ms", with = "millis")]
     pub duration: Duration,
+    /// How long to run the same plan first, its figures discarded (0: none).
+    #[serde(default, rename = "warmup_ms", with = "millis")]
+    pub warmup: Duration,
     /// Stop after this many hits even if time is left.
     pub max_hits: u64,
     /// The per-call budget passed to the store.
@@ -229,6 +251,7 @@ impl Default for WorkloadConfig {
             distribution: TenantDistribution::Zipf { s: 1.1 },
             mode: LoadMode::Concurrency { in_flight: 256 },
             duration: Duration::from_secs(10),
+            warmup: Duration::ZERO,
             max_hits: 100_000_000,
             timeout: Duration::from_millis(250),
             claim_share: 1.0,
@@ -290,6 +313,13 @@ impl WorkloadConfig {
                 "duration",
                 "in (0, 1 h]",
                 format!("{:?}", self.duration),
+            ));
+        }
+        if self.warmup > MAX_WARMUP {
+            return Err(invalid(
+                "warmup",
+                "at most 60 s",
+                format!("{:?}", self.warmup),
             ));
         }
         if self.max_hits == 0 {
@@ -383,8 +413,10 @@ struct Plan {
     started: AtomicU64,
     /// Hits answered, for the progress bar.
     answered: AtomicU64,
-    /// Makes keys and hook ids unique within the run.
+    /// Makes keys and hook ids unique within the run, warm-up included.
     seq: AtomicU64,
+    /// The top of the histograms' range, µs: the longest latency the run can see.
+    hist_max_us: u64,
 }
 
 /// One hit's random choices, drawn before it is sent.
@@ -430,9 +462,22 @@ impl Plan {
             started: AtomicU64::new(0),
             answered: AtomicU64::new(0),
             seq: AtomicU64::new(0),
+            hist_max_us: micros(span(cfg.duration.max(cfg.warmup), cfg) + HIST_SLACK),
             cfg: cfg.clone(),
             run,
         }
+    }
+
+    /// Readies the plan for the measured run after its warm-up: `max_hits`
+    /// and the progress count start over; the tenants, the key sequence (so
+    /// no fresh key repeats one of the warm-up's) and the recent keys stay.
+    fn restart(&self) {
+        self.started.store(0, Ordering::Relaxed);
+        self.answered.store(0, Ordering::Relaxed);
+    }
+
+    fn stats(&self) -> Stats {
+        Stats::new(self.hist_max_us)
     }
 
     fn next_id(&self) -> u64 {
@@ -579,50 +624,100 @@ fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX).max(1)
 }
 
-fn histogram() -> Histogram<u64> {
-    // Constant bounds (low 1, high >= 2 * low, 3 significant digits) are valid.
-    Histogram::new_with_bounds(1, HIST_MAX_US, 3).expect("constant histogram bounds are valid")
+fn histogram(max_us: u64) -> Histogram<u64> {
+    // Low 1, high at least 2 and far below u64::MAX / 2, 3 significant digits:
+    // bounds that are always valid.
+    let high = max_us.clamp(2, u64::MAX / 4);
+    Histogram::new_with_bounds(1, high, 3).expect("clamped histogram bounds are valid")
+}
+
+/// Records `us` into `h`, made (with the range `max_us`) on its first sample:
+/// failed calls are rare, and a histogram costs ~100 KiB in each of hundreds
+/// of tasks.
+fn record_into(h: &mut Option<Histogram<u64>>, max_us: u64, us: u64) {
+    h.get_or_insert_with(|| histogram(max_us))
+        .saturating_record(us);
+}
+
+/// Adds `other` into `into`, either of which may not exist yet.
+fn merge_into(into: &mut Option<Histogram<u64>>, other: Option<Histogram<u64>>) {
+    match (into.as_mut(), other) {
+        // Same bounds on both sides; an add that fails would only lose samples.
+        (Some(a), Some(b)) => {
+            let _ = a.add(&b);
+        }
+        (None, b) => *into = b,
+        (Some(_), None) => {}
+    }
+}
+
+fn summary(h: &Option<Histogram<u64>>) -> LatencySummary {
+    h.as_ref().map(LatencySummary::of).unwrap_or_default()
 }
 
 /// What one task (or the collector) has counted.
 struct Stats {
+    /// Answered hits (an outcome from the store), their latency.
     hit_hist: Histogram<u64>,
+    /// Answered settles.
     settle_hist: Histogram<u64>,
+    /// Failed hits and settles, kept apart: a failure that comes back at once
+    /// would lower the answered calls' percentiles.
+    hit_error_hist: Option<Histogram<u64>>,
+    settle_error_hist: Option<Histogram<u64>>,
     hits: HitCounts,
     settles: SettleCounts,
     last_done: Option<Instant>,
     late: u64,
+    max_us: u64,
 }
 
 impl Stats {
-    fn new() -> Self {
+    fn new(max_us: u64) -> Self {
         Self {
-            hit_hist: histogram(),
-            settle_hist: histogram(),
+            hit_hist: histogram(max_us),
+            settle_hist: histogram(max_us),
+            hit_error_hist: None,
+            settle_error_hist: None,
             hits: HitCounts::default(),
             settles: SettleCounts::default(),
             last_done: None,
             late: 0,
+            max_us,
         }
     }
 
     fn record(&mut self, op: OpResult) {
-        self.hit_hist.saturating_record(op.hit_us);
         match op.hit {
-            Class::Done(HitOutcome::Ok) => self.hits.ok += 1,
-            Class::Done(HitOutcome::Duplicate { .. }) => self.hits.duplicate += 1,
-            Class::Done(HitOutcome::Pending { .. }) => self.hits.pending += 1,
-            Class::Done(HitOutcome::RateLimited { .. }) => self.hits.rate_limited += 1,
-            Class::Failed(kind) => *self.hits.errors.entry(kind).or_default() += 1,
+            Class::Done(outcome) => {
+                self.hit_hist.saturating_record(op.hit_us);
+                match outcome {
+                    HitOutcome::Ok => self.hits.ok += 1,
+                    HitOutcome::Duplicate { .. } => self.hits.duplicate += 1,
+                    HitOutcome::Pending { .. } => self.hits.pending += 1,
+                    HitOutcome::RateLimited { .. } => self.hits.rate_limited += 1,
+                }
+            }
+            Class::Failed(kind) => {
+                record_into(&mut self.hit_error_hist, self.max_us, op.hit_us);
+                *self.hits.errors.entry(kind).or_default() += 1;
+            }
         }
         if let Some((us, class)) = op.settle {
-            self.settle_hist.saturating_record(us);
             match class {
-                Class::Done(SettleOutcome::Ok) => self.settles.ok += 1,
-                Class::Done(SettleOutcome::NotFound) => self.settles.not_found += 1,
-                Class::Done(SettleOutcome::NotOwner { .. }) => self.settles.not_owner += 1,
-                Class::Done(SettleOutcome::AlreadyCommitted) => self.settles.already_committed += 1,
-                Class::Failed(kind) => *self.settles.errors.entry(kind).or_default() += 1,
+                Class::Done(outcome) => {
+                    self.settle_hist.saturating_record(us);
+                    match outcome {
+                        SettleOutcome::Ok => self.settles.ok += 1,
+                        SettleOutcome::NotFound => self.settles.not_found += 1,
+                        SettleOutcome::NotOwner { .. } => self.settles.not_owner += 1,
+                        SettleOutcome::AlreadyCommitted => self.settles.already_committed += 1,
+                    }
+                }
+                Class::Failed(kind) => {
+                    record_into(&mut self.settle_error_hist, self.max_us, us);
+                    *self.settles.errors.entry(kind).or_default() += 1;
+                }
             }
         }
         self.late += u64::from(op.late);
@@ -633,6 +728,8 @@ impl Stats {
         // Same bounds on both sides; an add that fails would only lose samples.
         let _ = self.hit_hist.add(&other.hit_hist);
         let _ = self.settle_hist.add(&other.settle_hist);
+        merge_into(&mut self.hit_error_hist, other.hit_error_hist);
+        merge_into(&mut self.settle_error_hist, other.settle_error_hist);
         let (h, o) = (&mut self.hits, other.hits);
         h.ok += o.ok;
         h.duplicate += o.duplicate;
@@ -706,10 +803,76 @@ impl Drop for Progress {
     }
 }
 
-/// The run's hard end: load stops at `start + duration`; calls then in flight
-/// have two budgets (hit and settle) plus slack to finish.
-fn hard_end(start: Instant, cfg: &WorkloadConfig) -> Instant {
-    start + cfg.duration + 2 * (cfg.timeout + OVERRUN_GRACE) + Duration::from_secs(1)
+/// How long a phase of `duration` can last: load stops after `duration`;
+/// calls then in flight have two budgets (hit and settle) plus slack to finish.
+fn span(duration: Duration, cfg: &WorkloadConfig) -> Duration {
+    duration + 2 * (cfg.timeout + OVERRUN_GRACE) + Duration::from_secs(1)
+}
+
+/// One stretch of load: the warm-up or the measured run.
+#[derive(Clone, Copy)]
+struct Phase {
+    start: Instant,
+    /// How long load is offered.
+    duration: Duration,
+    /// Seed of the random choices.
+    seed: u64,
+}
+
+impl Phase {
+    fn deadline(&self) -> Instant {
+        self.start + self.duration
+    }
+
+    /// The hard end: calls still in flight then are given up on.
+    fn hard_end(&self, cfg: &WorkloadConfig) -> Instant {
+        self.start + span(self.duration, cfg)
+    }
+}
+
+/// What a phase counted, and how it ended.
+struct Counted {
+    stats: Stats,
+    /// Calls were still in flight at the hard end (and were aborted).
+    abandoned: bool,
+    /// Open loop: hits due within the phase that were never sent.
+    unsent: u64,
+}
+
+/// The stats the closed loop's tasks count into, one each; empty in the open
+/// loop.
+fn task_stats(plan: &Plan) -> Vec<Stats> {
+    match plan.cfg.mode {
+        LoadMode::Concurrency { in_flight } => (0..in_flight).map(|_| plan.stats()).collect(),
+        LoadMode::Rate { .. } => Vec::new(),
+    }
+}
+
+/// Runs one phase of `plan` against `store`.
+async fn drive<S: Store>(
+    store: &Arc<S>,
+    plan: &Arc<Plan>,
+    task_stats: Vec<Stats>,
+    phase: Phase,
+) -> Result<Counted, WorkloadError> {
+    match plan.cfg.mode {
+        LoadMode::Concurrency { .. } => {
+            closed_loop(Arc::clone(store), Arc::clone(plan), task_stats, phase).await
+        }
+        LoadMode::Rate {
+            per_sec,
+            max_in_flight,
+        } => {
+            open_loop(
+                Arc::clone(store),
+                Arc::clone(plan),
+                per_sec,
+                max_in_flight,
+                phase,
+            )
+            .await
+        }
+    }
 }
 
 /// One task per element of `task_stats` (the calls in flight), each counting
@@ -718,14 +881,14 @@ async fn closed_loop<S: Store>(
     store: Arc<S>,
     plan: Arc<Plan>,
     task_stats: Vec<Stats>,
-    start: Instant,
-) -> Result<(Stats, bool), WorkloadError> {
-    let deadline = start + plan.cfg.duration;
+    phase: Phase,
+) -> Result<Counted, WorkloadError> {
+    let deadline = phase.deadline();
     let mut workers = Vec::with_capacity(task_stats.len());
     for (worker, mut stats) in task_stats.into_iter().enumerate() {
         let (store, plan) = (Arc::clone(&store), Arc::clone(&plan));
         workers.push(tokio::spawn(async move {
-            let mut rng = SmallRng::seed_from_u64(plan.cfg.seed ^ (worker as u64).rotate_left(32));
+            let mut rng = SmallRng::seed_from_u64(phase.seed ^ (worker as u64).rotate_left(32));
             while Instant::now() < deadline && plan.ticket() {
                 let spec = plan.draw(&mut rng);
                 let op = plan.execute(&*store, spec, Instant::now()).await;
@@ -734,8 +897,8 @@ async fn closed_loop<S: Store>(
             stats
         }));
     }
-    let end = hard_end(start, &plan.cfg);
-    let mut total = Stats::new();
+    let end = phase.hard_end(&plan.cfg);
+    let mut total = plan.stats();
     let mut abandoned = false;
     for mut worker in workers {
         match tokio::time::timeout_at(end, &mut worker).await {
@@ -747,7 +910,36 @@ async fn closed_loop<S: Store>(
             }
         }
     }
-    Ok((total, abandoned))
+    Ok(Counted {
+        stats: total,
+        abandoned,
+        unsent: 0,
+    })
+}
+
+/// The open loop's calls, each a task: the scheduler adds them, the collector
+/// reaps the finished ones and, at the hard end, aborts the rest, so that none
+/// runs on into the next run. `None` once the run is over: nothing more may
+/// be sent.
+type Calls = Arc<Mutex<Option<JoinSet<()>>>>;
+
+fn lock_calls(calls: &Calls) -> std::sync::MutexGuard<'_, Option<JoinSet<()>>> {
+    // A poisoned lock only means a thread panicked holding it; the set is
+    // still a set of tasks.
+    calls.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Takes the finished calls out of `set`; the first panic among them, if any.
+fn reap(set: &mut JoinSet<()>) -> Option<String> {
+    let mut panicked = None;
+    while let Some(done) = set.try_join_next() {
+        if let Err(err) = done {
+            if err.is_panic() && panicked.is_none() {
+                panicked = Some(err.to_string());
+            }
+        }
+    }
+    panicked
 }
 
 async fn open_loop<S: Store>(
@@ -755,11 +947,15 @@ async fn open_loop<S: Store>(
     plan: Arc<Plan>,
     per_sec: f64,
     max_in_flight: usize,
-    start: Instant,
-) -> Result<(Stats, bool), WorkloadError> {
-    let deadline = start + plan.cfg.duration;
+    phase: Phase,
+) -> Result<Counted, WorkloadError> {
+    let (start, deadline) = (phase.start, phase.deadline());
     let (tx, mut rx) = mpsc::unbounded_channel::<OpResult>();
     let slots = Arc::new(Semaphore::new(max_in_flight));
+    let calls: Calls = Arc::new(Mutex::new(Some(JoinSet::new())));
+    // Hits sent; final once `calls` is `None` (a hit is counted as it is
+    // added to the set, under its lock).
+    let sent = Arc::new(AtomicU64::new(0));
     // The schedule is kept by an OS thread, not a task: tokio's timer is
     // ms-grained, which would send hits up to 1 ms late and charge that to
     // every latency; a thread's sleep wakes within tens of µs. Calls themselves
@@ -767,11 +963,12 @@ async fn open_loop<S: Store>(
     let runtime = tokio::runtime::Handle::current();
     let scheduler = {
         let (plan, slots) = (Arc::clone(&plan), Arc::clone(&slots));
+        let (calls, sent) = (Arc::clone(&calls), Arc::clone(&sent));
         let (start, deadline) = (start.into_std(), deadline.into_std());
         std::thread::Builder::new()
             .name("bench-schedule".into())
             .spawn(move || {
-                let mut rng = SmallRng::seed_from_u64(plan.cfg.seed);
+                let mut rng = SmallRng::seed_from_u64(phase.seed);
                 let mut i: u64 = 0;
                 let mut woke = start;
                 loop {
@@ -796,20 +993,27 @@ async fn open_loop<S: Store>(
                     let spec = plan.draw(&mut rng);
                     let (store, plan, tx) = (Arc::clone(&store), Arc::clone(&plan), tx.clone());
                     let due = Instant::from_std(due);
-                    runtime.spawn(async move {
-                        let op = plan.execute(&*store, spec, due).await;
-                        // The collector is gone only once the run is over.
-                        let _ = tx.send(op);
-                        drop(permit);
-                    });
+                    let mut guard = lock_calls(&calls);
+                    let Some(set) = guard.as_mut() else { break };
+                    set.spawn_on(
+                        async move {
+                            let op = plan.execute(&*store, spec, due).await;
+                            // The collector is gone only once the run is over.
+                            let _ = tx.send(op);
+                            drop(permit);
+                        },
+                        &runtime,
+                    );
+                    sent.fetch_add(1, Ordering::Relaxed);
                     i += 1;
                 }
             })
             .map_err(|e| WorkloadError::Task(format!("cannot start the scheduler thread: {e}")))?
     };
-    let end = hard_end(start, &plan.cfg);
-    let mut stats = Stats::new();
+    let end = phase.hard_end(&plan.cfg);
+    let mut stats = plan.stats();
     let mut abandoned = false;
+    let mut panicked = None;
     let mut done = Vec::new();
     let mut tick = tokio::time::interval(COLLECT_EVERY);
     loop {
@@ -817,6 +1021,9 @@ async fn open_loop<S: Store>(
         let taking = rx.recv_many(&mut done, usize::MAX);
         let received = tokio::time::timeout_at(end, taking).await;
         done.drain(..).for_each(|op| stats.record(op));
+        if let Some(set) = lock_calls(&calls).as_mut() {
+            panicked = panicked.or(reap(set));
+        }
         match received {
             Ok(0) => break, // every sender (the scheduler and each call) is done
             Ok(_) => {}
@@ -827,42 +1034,77 @@ async fn open_loop<S: Store>(
         }
     }
     // Unblocks a scheduler still waiting for a slot; it then ends by itself
-    // (it never outlives the run's duration otherwise).
+    // (it never outlives the run's duration otherwise), and sends nothing
+    // more once the set is taken.
     slots.close();
     drop(scheduler);
-    Ok((stats, abandoned))
+    let set = lock_calls(&calls).take();
+    if let Some(mut set) = set {
+        panicked = panicked.or(reap(&mut set));
+        set.abort_all();
+        // Aborted calls end at their next await; waiting for them keeps
+        // them out of whatever runs next. Bounded, in case one does not.
+        let _ = tokio::time::timeout(ABORT_WAIT, set.shutdown()).await;
+    }
+    if let Some(panic) = panicked {
+        return Err(WorkloadError::Task(panic));
+    }
+    let unsent = if abandoned {
+        // Hits due before the deadline (the schedule's, capped by `max_hits`)
+        // that the hard end came before.
+        let due = (phase.duration.as_secs_f64() * per_sec).ceil() as u64;
+        due.min(plan.cfg.max_hits)
+            .saturating_sub(sent.load(Ordering::Relaxed))
+    } else {
+        0
+    };
+    Ok(Counted {
+        stats,
+        abandoned,
+        unsent,
+    })
 }
 
 /// Runs the workload `cfg` against `store` and reports what it measured.
 ///
-/// Load is offered for `cfg.duration` (or until `cfg.max_hits`); calls in
-/// flight at the end are let finish within their budgets.
+/// With `cfg.warmup`, the same plan runs that long first, unmeasured. Load is
+/// then offered for `cfg.duration` (or until `cfg.max_hits`); calls in flight
+/// at the end are let finish within their budgets.
 pub async fn run<S: Store>(
     store: Arc<S>,
     cfg: &WorkloadConfig,
 ) -> Result<WorkloadReport, WorkloadError> {
     cfg.validate()?;
     let plan = Arc::new(Plan::new(cfg, rand::random()));
-    // A task's histograms are ~140 KiB each to zero; made before the clock
+    if !cfg.warmup.is_zero() {
+        let warmup = Phase {
+            start: Instant::now(),
+            duration: cfg.warmup,
+            seed: cfg.seed ^ WARMUP_SEED,
+        };
+        // Its figures are dropped; a warm-up cut short at its hard end shows
+        // again in the measured run.
+        drive(&store, &plan, task_stats(&plan), warmup).await?;
+        plan.restart();
+    }
+    // A task's histograms are ~100 KiB each to zero; made before the clock
     // starts, so that 256 tasks do not spend the run's first 100 ms on them.
-    let task_stats: Vec<Stats> = match cfg.mode {
-        LoadMode::Concurrency { in_flight } => (0..in_flight).map(|_| Stats::new()).collect(),
-        LoadMode::Rate { .. } => Vec::new(),
-    };
+    let task_stats = task_stats(&plan);
     let cpu_at_start = cpu::own();
     let host_at_start = HostCpu::now();
     let watched_at_start = cpu::read_watched(&cfg.watch);
     let start = Instant::now();
     let progress = Progress::start(&plan, start);
-    let (stats, abandoned) = match cfg.mode {
-        LoadMode::Concurrency { .. } => {
-            closed_loop(store, Arc::clone(&plan), task_stats, start).await?
-        }
-        LoadMode::Rate {
-            per_sec,
-            max_in_flight,
-        } => open_loop(store, Arc::clone(&plan), per_sec, max_in_flight, start).await?,
+    let phase = Phase {
+        start,
+        duration: cfg.duration,
+        seed: cfg.seed,
     };
+    let Counted {
+        stats,
+        abandoned,
+        unsent,
+    } = drive(&store, &plan, task_stats, phase).await?;
     drop(progress);
     // Every reading of the end taken together, as those of the start were:
     // the table's "rest" is the host's time less the others'.
@@ -873,6 +1115,7 @@ pub async fn run<S: Store>(
         .last_done
         .map_or(Duration::ZERO, |t| t.saturating_duration_since(start))
         .as_secs_f64();
+    // Answered calls only: failures are counted apart (see the module's doc).
     let hits = stats.hit_hist.len();
     let settles = stats.settle_hist.len();
     let per_sec = |n: u64| {
@@ -892,9 +1135,12 @@ pub async fn run<S: Store>(
         settles_per_sec: per_sec(settles),
         hit_latency: LatencySummary::of(&stats.hit_hist),
         settle_latency: LatencySummary::of(&stats.settle_hist),
+        hit_error_latency: summary(&stats.hit_error_hist),
+        settle_error_latency: summary(&stats.settle_error_hist),
         hit_outcomes: stats.hits,
         settle_outcomes: stats.settles,
         late_sends: stats.late,
+        unsent,
         abandoned,
         loadgen_cpu_s: cpu_at_start
             .zip(cpu_at_end)
@@ -1075,11 +1321,203 @@ mod tests {
         let t0 = std::time::Instant::now();
         let report = run(Arc::new(Stuck), &cfg).await.unwrap();
         assert!(t0.elapsed() < Duration::from_secs(2));
-        assert_eq!(
-            report.hit_outcomes.errors.get(BUDGET_OVERRUN),
-            Some(&report.hits)
-        );
-        assert!(report.hit_latency.min_us >= 20_000);
+        // Nothing was answered: no throughput, and figures that cannot stand.
+        assert_eq!((report.hits, report.hits_per_sec), (0, 0.0));
+        let failed = report.hit_outcomes.errors.get(BUDGET_OVERRUN).copied();
+        assert!(failed.is_some_and(|n| n > 0), "{report}");
+        assert_eq!(Some(report.hit_error_latency.count), failed);
+        assert!(report.hit_error_latency.min_us >= 20_000);
+        assert_eq!(report.hit_latency.count, 0);
+        assert!(report.flaw().is_some());
+    }
+
+    /// The local store, but every `fail_every`-th hit fails at once.
+    struct Flaky {
+        inner: LocalStore,
+        calls: AtomicU64,
+        fail_every: u64,
+    }
+
+    impl Store for Flaky {
+        async fn hit(&self, req: HitRequest, budget: Duration) -> Result<HitOutcome, StoreError> {
+            if self.calls.fetch_add(1, Ordering::Relaxed) % self.fail_every == 0 {
+                return Err(StoreError::Disconnected);
+            }
+            self.inner.hit(req, budget).await
+        }
+        async fn settle(
+            &self,
+            req: SettleRequest,
+            budget: Duration,
+        ) -> Result<SettleOutcome, StoreError> {
+            self.inner.settle(req, budget).await
+        }
+        async fn reset(&self, tenant: String, budget: Duration) -> Result<(), StoreError> {
+            self.inner.reset(tenant, budget).await
+        }
+    }
+
+    #[tokio::test]
+    async fn failed_calls_are_counted_apart_from_throughput() {
+        let cfg = quick(LoadMode::Concurrency { in_flight: 4 });
+        let store = Arc::new(Flaky {
+            inner: LocalStore::default(),
+            calls: AtomicU64::new(0),
+            fail_every: 4,
+        });
+        let report = run(Arc::clone(&store), &cfg).await.unwrap();
+        let h = &report.hit_outcomes;
+        let failed = h.errors.get("disconnected").copied().unwrap_or(0);
+        assert!(failed > 0, "{report}");
+        // hits (and hits/s) are the answered ones; the failed ones are apart.
+        assert_eq!(report.hits, h.ok + h.duplicate + h.pending + h.rate_limited);
+        assert_eq!(report.hits + failed, store.calls.load(Ordering::Relaxed));
+        assert_eq!(report.hit_latency.count, report.hits);
+        assert_eq!(report.hit_error_latency.count, failed);
+        let rate = report.hits as f64 / report.elapsed_s;
+        assert!((report.hits_per_sec - rate).abs() < 1e-6);
+        assert!(report.flaw().is_some_and(|f| f.contains("of hits failed")));
+        assert!(report.to_string().contains("hit err"), "{report}");
+    }
+
+    /// The local store, noting every tenant it is asked about and every hit,
+    /// each of which takes a millisecond (so that `max_hits` is not what
+    /// ends a phase).
+    #[derive(Default)]
+    struct Noting {
+        inner: LocalStore,
+        tenants: Mutex<std::collections::HashSet<String>>,
+        hits: AtomicU64,
+    }
+
+    impl Store for Noting {
+        async fn hit(&self, req: HitRequest, budget: Duration) -> Result<HitOutcome, StoreError> {
+            self.hits.fetch_add(1, Ordering::Relaxed);
+            self.tenants
+                .lock()
+                .unwrap()
+                .insert(req.tenant().to_string());
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            self.inner.hit(req, budget).await
+        }
+        async fn settle(
+            &self,
+            req: SettleRequest,
+            budget: Duration,
+        ) -> Result<SettleOutcome, StoreError> {
+            self.inner.settle(req, budget).await
+        }
+        async fn reset(&self, tenant: String, budget: Duration) -> Result<(), StoreError> {
+            self.inner.reset(tenant, budget).await
+        }
+    }
+
+    #[tokio::test]
+    async fn the_warm_up_runs_the_same_tenants_and_is_not_counted() {
+        for mode in [
+            LoadMode::Concurrency { in_flight: 4 },
+            LoadMode::Rate {
+                per_sec: 2000.0,
+                max_in_flight: 64,
+            },
+        ] {
+            let cfg = WorkloadConfig {
+                tenants: 5,
+                distribution: TenantDistribution::Uniform,
+                warmup: Duration::from_millis(200),
+                duration: Duration::from_millis(200),
+                duplicate_rate: 0.0,
+                ..quick(mode)
+            };
+            let store = Arc::new(Noting::default());
+            let t0 = std::time::Instant::now();
+            let report = run(Arc::clone(&store), &cfg).await.unwrap();
+            assert!(t0.elapsed() >= Duration::from_millis(400));
+            // Five tenants in all: the measured run's are the warm-up's.
+            assert_eq!(store.tenants.lock().unwrap().len(), 5);
+            // The warm-up's hits reached the store but are not in the report.
+            let sent = store.hits.load(Ordering::Relaxed);
+            assert!(
+                report.hits > 0 && sent > report.hits + 100,
+                "{sent}: {report}"
+            );
+            assert!(report.elapsed_s < 0.35, "{report}");
+            // No fresh key of the measured run repeats one of the warm-up's.
+            assert_eq!(report.hit_outcomes.duplicate, 0, "{report}");
+            // (Not `flaw()`: on a busy host the open loop may send late.)
+            assert_eq!(report.hit_outcomes.errors_total(), 0, "{report}");
+            assert!(!report.abandoned, "{report}");
+        }
+    }
+
+    /// A store that never answers, counting the calls still pending.
+    #[derive(Default)]
+    struct Counting {
+        pending: Arc<AtomicU64>,
+    }
+
+    /// Counts one pending call down when the call is dropped, finished or not.
+    struct Pending(Arc<AtomicU64>);
+
+    impl Drop for Pending {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    impl Store for Counting {
+        async fn hit(&self, _: HitRequest, _: Duration) -> Result<HitOutcome, StoreError> {
+            self.pending.fetch_add(1, Ordering::Relaxed);
+            let _pending = Pending(Arc::clone(&self.pending));
+            std::future::pending().await
+        }
+        async fn settle(&self, _: SettleRequest, _: Duration) -> Result<SettleOutcome, StoreError> {
+            std::future::pending().await
+        }
+        async fn reset(&self, _: String, _: Duration) -> Result<(), StoreError> {
+            std::future::pending().await
+        }
+    }
+
+    #[tokio::test]
+    async fn an_open_loop_leaves_no_call_behind_its_hard_end() {
+        // 100 hits due in 0.1 s, two at a time, each taking its 20 ms budget
+        // and the grace: the schedule is still far behind at the hard end.
+        let mut cfg = quick(LoadMode::Rate {
+            per_sec: 1000.0,
+            max_in_flight: 2,
+        });
+        cfg.timeout = Duration::from_millis(20);
+        cfg.duration = Duration::from_millis(100);
+        cfg.max_hits = 1_000;
+        let store = Arc::new(Counting::default());
+        let t0 = std::time::Instant::now();
+        let report = run(Arc::clone(&store), &cfg).await.unwrap();
+        assert!(t0.elapsed() < Duration::from_secs(3));
+        assert!(report.abandoned, "{report}");
+        assert!(report.unsent > 0 && report.unsent < 100, "{report}");
+        assert!(report.to_string().contains("never sent"), "{report}");
+        // Every call still in flight at the hard end was aborted.
+        assert_eq!(store.pending.load(Ordering::Relaxed), 0);
+        assert!(report.flaw().is_some());
+    }
+
+    #[test]
+    fn the_histograms_hold_the_longest_latency_a_run_can_see() {
+        let cfg = WorkloadConfig {
+            duration: MAX_DURATION,
+            ..WorkloadConfig::default()
+        };
+        let plan = Plan::new(&cfg, 1);
+        let mut stats = plan.stats();
+        // Latency from due, in an open loop an hour behind.
+        let longest = micros(span(cfg.duration, &cfg));
+        assert!(stats.hit_hist.record(longest).is_ok());
+        // A short run's are small.
+        let short = Plan::new(&WorkloadConfig::default(), 1);
+        assert!(short.hist_max_us < 20_000_000);
+        assert!(short.hist_max_us > micros(span(Duration::from_secs(10), &cfg)));
+        stats.merge(short.stats());
     }
 
     #[test]
