@@ -4,9 +4,13 @@
 //!
 //! A run can be unfit to stand for its store ([`WorkloadReport::flaw`]): more
 //! than [`MAX_ERROR_SHARE`] of its calls failed, calls were abandoned at its
-//! hard end, or (open loop) more than [`MAX_LATE_SHARE`] of its hits were sent
-//! late, so the rate offered was not the rate meant. Its figures are still
-//! printed, flagged, and no target is judged on them.
+//! hard end, or (open loop) more than [`MAX_UNSENT_SHARE`] of its hits were
+//! never sent, so the rate offered was not the rate meant. Its figures are
+//! still printed, flagged, and no target is judged on them. Hits sent late do
+//! not flag a run: their latency counts from when they were due, so the
+//! lateness is in the figures, and it falls on every store alike (on a
+//! shared 2-vCPU host 1–3 % of an open loop's hits leave over 1 ms late,
+//! the echo's as much as the fleet's).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -20,10 +24,10 @@ use super::workload::{LoadMode, WorkloadConfig};
 /// Most calls (hits, or settles) of a run that may fail for its figures to
 /// be judged: above it, the store was not serving the workload.
 pub const MAX_ERROR_SHARE: f64 = 0.001;
-/// Most hits of an open-loop run that may be sent late (or not at all) for
-/// its figures to be judged: above it, the load generator did not offer the
-/// rate it was to.
-pub const MAX_LATE_SHARE: f64 = 0.01;
+/// Most hits of an open-loop run that may go unsent (its hard end came
+/// first) for its figures to be judged: above it, the load generator did not
+/// offer the rate it was to.
+pub const MAX_UNSENT_SHARE: f64 = 0.01;
 
 /// Latency percentiles of one kind of call, µs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -207,7 +211,7 @@ impl WorkloadReport {
 
     /// Why this run's figures cannot be judged, if they cannot: too many
     /// failed calls, calls abandoned at the hard end, or (open loop) too many
-    /// hits sent late or never. See the module's doc.
+    /// hits never sent. See the module's doc.
     pub fn flaw(&self) -> Option<String> {
         if self.abandoned {
             return Some("calls were abandoned at the hard end".into());
@@ -232,11 +236,10 @@ impl WorkloadReport {
             }
         }
         if let LoadMode::Rate { .. } = self.config.mode {
-            let behind = self.late_sends + self.unsent;
             let offered = sent + self.unsent;
-            if behind as f64 > MAX_LATE_SHARE * offered as f64 {
-                let share = 100.0 * behind as f64 / offered as f64;
-                return Some(format!("{share:.1} % of hits were sent late or never"));
+            if self.unsent as f64 > MAX_UNSENT_SHARE * offered as f64 {
+                let share = 100.0 * self.unsent as f64 / offered as f64;
+                return Some(format!("{share:.1} % of hits were never sent"));
             }
         }
         None
@@ -575,14 +578,15 @@ pub(crate) mod tests {
 
     #[test]
     fn an_open_loop_that_fell_behind_is_unfit() {
-        let mut r = report("a", OPEN, 10_000);
-        r.late_sends = 100; // exactly 1 %
+        let mut r = report("a", OPEN, 9_900);
+        r.unsent = 100; // exactly 1 % of the 10,000 due
         assert_eq!(r.flaw(), None);
-        r.late_sends = 101;
-        assert!(r.flaw().is_some_and(|f| f.contains("late")));
-        r.late_sends = 50;
-        r.unsent = 60;
-        assert!(r.flaw().is_some());
+        r.unsent = 101;
+        assert!(r.flaw().is_some_and(|f| f.contains("never sent")));
+        // Late hits count their lateness in their latency: not a flaw.
+        r.unsent = 0;
+        r.late_sends = 5_000;
+        assert_eq!(r.flaw(), None);
         // A closed loop has no schedule to keep.
         let mut r = report("a", CLOSED, 10_000);
         r.late_sends = 5_000;
