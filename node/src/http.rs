@@ -130,6 +130,10 @@ pub fn describe_metrics() {
         "Lease writes to take a free shard that failed on a KV error (one a round at most)"
     );
     describe_counter!(
+        "ankusa_lease_takes_refused_total",
+        "Takes of a target shard refused because another holds its lease"
+    );
+    describe_counter!(
         "ankusa_leases_lost_total",
         "Leases found lost (expired or taken) at renewal"
     );
@@ -188,6 +192,7 @@ pub fn describe_metrics() {
         "ankusa_kv_backlog_refusals_total",
         "ankusa_lease_renew_failures_total",
         "ankusa_lease_acquire_failures_total",
+        "ankusa_lease_takes_refused_total",
         "ankusa_leases_lost_total",
         "ankusa_leases_adopted_total",
         "ankusa_shard_restarts_total",

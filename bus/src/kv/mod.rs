@@ -66,7 +66,14 @@ pub enum KvError {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LeaseError {
     #[error("shard {shard} is leased by {holder}")]
-    Taken { shard: u32, holder: String },
+    Taken {
+        shard: u32,
+        holder: String,
+        /// How long until the holder's lease lapses unless renewed (from its
+        /// last write and this call's TTL, by the server's clock); `None`
+        /// when not known (another node's take raced this one).
+        lapses_in: Option<Duration>,
+    },
     #[error("the lease on shard {shard} was lost (expired or taken over)")]
     Lost { shard: u32 },
     #[error(transparent)]
@@ -414,11 +421,18 @@ impl FleetKv {
             Some(entry) if self.written_here(node, &key, &entry) => {
                 self.adopt(shard, node, ttl_secs, entry.revision).await
             }
-            Some(entry) if entry.operation == kv::Operation::Put => Err(LeaseError::Taken {
-                shard,
-                holder: decode::<LeaseValue>(&key, &entry.value)
-                    .map_or_else(|_| "an unreadable holder".into(), |lease| lease.node),
-            }),
+            Some(entry) if entry.operation == kv::Operation::Put => {
+                let written_us = u64::try_from(entry.created.unix_timestamp_nanos() / 1000);
+                let lapses_us = written_us.map(|at| at.saturating_add(ttl_secs * 1_000_000));
+                Err(LeaseError::Taken {
+                    shard,
+                    holder: decode::<LeaseValue>(&key, &entry.value)
+                        .map_or_else(|_| "an unreadable holder".into(), |lease| lease.node),
+                    lapses_in: lapses_us
+                        .ok()
+                        .map(|at| Duration::from_micros(at.saturating_sub(self.now_us()))),
+                })
+            }
             Some(marker) => {
                 self.take_over(shard, value, ttl_secs, marker.revision)
                     .await
@@ -426,6 +440,7 @@ impl FleetKv {
             None => Err(LeaseError::Taken {
                 shard,
                 holder: "another node (raced)".into(),
+                lapses_in: None,
             }),
         }
     }
@@ -445,6 +460,7 @@ impl FleetKv {
             err if err.is_wrong_revision() => LeaseError::Taken {
                 shard,
                 holder: "another node (raced)".into(),
+                lapses_in: None,
             },
             err => request_err(err).into(),
         })
