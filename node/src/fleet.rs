@@ -103,6 +103,13 @@ fn leave_bound(config: &NodeConfig) -> Duration {
     (3 * config.lease_ttl()).max(Duration::from_secs(10))
 }
 
+/// How long every load of a node that serves no shard may fail before it
+/// steps aside, and how long it stays aside before a trial load: three lease
+/// TTLs, and at least 10 s.
+fn step_aside_after(config: &NodeConfig) -> Duration {
+    (3 * config.lease_ttl()).max(Duration::from_secs(10))
+}
+
 /// The most a round's step other than a load takes (a load shows its progress
 /// to the health check as it goes).
 const STEP_BOUND: Duration = Duration::from_secs(30);
@@ -123,6 +130,11 @@ struct Fleet {
     /// Shards whose leases this node's life before a restart holds, until
     /// they lapse: not asked for again before then.
     lapsing: BTreeMap<u32, Instant>,
+    /// Since when every shard load has failed (none succeeded since).
+    loads_failing_since: Option<Instant>,
+    /// While set, the node has stepped aside: out of the live nodes, holding
+    /// nothing, until this instant brings a trial load.
+    aside_until: Option<Instant>,
     membership: Membership,
     health: Arc<Health>,
     started_ms: u64,
@@ -472,8 +484,12 @@ impl Fleet {
         let mut served = Vec::with_capacity(taken.len());
         let (mut tenants_loaded, mut claims_loaded) = (0, 0);
         let mut states = match loaded {
-            Ok(states) => states,
+            Ok(states) => {
+                self.loads_failing_since = None;
+                states
+            }
             Err(err) => {
+                self.loads_failing_since.get_or_insert_with(Instant::now);
                 tracing::error!(shards = ?taken, error = %err, "cannot load shards; giving the leases back");
                 for shard in taken {
                     self.drop_lease(shard).await;
@@ -562,8 +578,64 @@ impl Fleet {
         3 * self.config.lease_ttl() + 2 * STEP_BOUND
     }
 
+    /// Steps aside when this node holds no shard and its loads have failed
+    /// for [`step_aside_after`], or tries a load when its time aside is up;
+    /// says whether the node is aside (and the round is to go no further).
+    ///
+    /// Rendezvous hashing gives a live node its shards whatever it can do
+    /// with them: a node that heartbeats but cannot load (its NATS user
+    /// may not read the state bucket, say) would keep its targets unserved
+    /// for good. Aside, it is not a live node, and the others serve them. A
+    /// node that serves shards never steps aside: when loads fail for every
+    /// node (a JetStream outage) it keeps what it serves.
+    async fn step_aside_if_failing(&mut self) -> bool {
+        let now = Instant::now();
+        if let Some(until) = self.aside_until {
+            if now < until {
+                self.health.round_done(self.round_stall_bound());
+                return true;
+            }
+            // A trial load, of one shard, holding no lease: the whole bucket
+            // is read as by any load.
+            match self.kv.load_shards(&[0]).await {
+                Ok(_) => {
+                    tracing::info!("a trial load succeeded; back among the live nodes");
+                    self.aside_until = None;
+                    self.loads_failing_since = None;
+                    self.health.set_aside(false);
+                    return false;
+                }
+                Err(err) => {
+                    tracing::warn!(error = %err, "a trial load failed; staying aside");
+                    self.aside_until = Some(Instant::now() + step_aside_after(&self.config));
+                    self.health.round_done(self.round_stall_bound());
+                    return true;
+                }
+            }
+        }
+        let failing_for = self.loads_failing_since.map(|since| now - since);
+        if !self.held.is_empty() || failing_for < Some(step_aside_after(&self.config)) {
+            return false;
+        }
+        tracing::error!(
+            failing_ms = failing_for.unwrap_or_default().as_millis() as u64,
+            "every shard load has failed for this long, and this node serves no shard: it \
+             steps aside (out of the live nodes, so that the others serve its shards) and \
+             tries a load again from time to time; see the load errors above"
+        );
+        metrics::counter!("ankusa_steps_aside_total").increment(1);
+        self.health.set_aside(true);
+        self.hand_back_all(true).await;
+        self.aside_until = Some(Instant::now() + step_aside_after(&self.config));
+        self.health.round_done(self.round_stall_bound());
+        true
+    }
+
     /// One full round: renew, heartbeat, hand back, take.
     async fn round(&mut self) -> bool {
+        if self.step_aside_if_failing().await {
+            return false;
+        }
         // Renewals first, at the round's start: a heartbeat whose ack was
         // lost would otherwise hold them back until the leases lapse.
         self.renew().await;
@@ -735,6 +807,8 @@ pub async fn run(
         held: BTreeMap::new(),
         live: BTreeSet::new(),
         lapsing: BTreeMap::new(),
+        loads_failing_since: None,
+        aside_until: None,
         membership,
         health,
         time: TimeKeeper::new(clock),

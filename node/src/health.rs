@@ -14,6 +14,8 @@ pub struct Health {
     shards_served: AtomicU64,
     shards_target: AtomicU64,
     shutting_down: AtomicBool,
+    /// Fleet mode: the node stepped aside, its loads failing.
+    aside: AtomicBool,
     /// Fleet mode: when the ownership loop last finished a round, and how long
     /// it may go without one before the node stops calling itself ready.
     last_round: Mutex<Option<(Instant, Duration)>>,
@@ -40,6 +42,10 @@ impl Health {
         let (at, bound) = (*self.last_round.lock().unwrap_or_else(|p| p.into_inner()))?;
         let since = at.elapsed();
         (since > bound).then_some(since)
+    }
+
+    pub fn set_aside(&self, aside: bool) {
+        self.aside.store(aside, Ordering::Relaxed);
     }
 
     pub fn set_shutting_down(&self) {
@@ -78,6 +84,13 @@ impl Health {
                 "the ownership loop has not finished a round for {} ms (leases are not being renewed)\n",
                 since.as_millis()
             ));
+        }
+        if self.aside.load(Ordering::Relaxed) {
+            return Err(
+                "stepped aside: its shard loads failed while it served no shard (see the log); \
+                 trying a load again from time to time\n"
+                    .into(),
+            );
         }
         if !self.settled.load(Ordering::Relaxed) {
             return Err(format!("serving {served} of {target} target shards\n"));

@@ -130,6 +130,10 @@ pub fn describe_metrics() {
         "Lease writes to take a free shard that failed on a KV error (one a round at most)"
     );
     describe_counter!(
+        "ankusa_steps_aside_total",
+        "Times this node stepped aside from the live nodes, its loads failing while it served no shard"
+    );
+    describe_counter!(
         "ankusa_lease_takes_refused_total",
         "Takes of a target shard refused because another holds its lease"
     );
@@ -193,6 +197,7 @@ pub fn describe_metrics() {
         "ankusa_lease_renew_failures_total",
         "ankusa_lease_acquire_failures_total",
         "ankusa_lease_takes_refused_total",
+        "ankusa_steps_aside_total",
         "ankusa_leases_lost_total",
         "ankusa_leases_adopted_total",
         "ankusa_shard_restarts_total",

@@ -939,8 +939,18 @@ async fn a_paused_node_does_not_answer_for_a_shard_that_moved() {
     );
 
     nodes[zombie].pause().expect("SIGSTOP");
-    // The survivor takes every shard once the zombie's leases lapse.
+    // The survivor takes every shard once the zombie's leases lapse, and
+    // serves this one once it has loaded it (a request sent before would
+    // reach only the zombie's subscription).
     wait_balanced(&kv, &[survivor_id], Duration::from_secs(15)).await;
+    let served = wait_until(Duration::from_secs(15), || async {
+        store.hit(hit(&tenant, "served", "h"), T).await == Ok(HitOutcome::Ok)
+    })
+    .await;
+    assert!(
+        served.is_ok(),
+        "the survivor does not answer for shard {shard}"
+    );
 
     // Requests sent now reach both subscribers: the survivor answers; the
     // zombie only reads them when it wakes.

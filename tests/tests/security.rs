@@ -453,6 +453,86 @@ async fn the_documented_permissions_let_node_and_edge_work_and_nobody_else() {
     );
 }
 
+/// A node that heartbeats but cannot load (here: its NATS user may not make
+/// a consumer on the state stream) would keep the shards rendezvous hashing
+/// gives it unserved for good. Holding none, its loads failing for three
+/// lease TTLs (at least 10 s), it steps aside: out of the live nodes, not
+/// ready, trying a load from time to time; the other node serves every shard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_cannot_load_steps_aside_for_the_others() {
+    let conf = permissions_conf(
+        r#"    { user = "no-loads", password = "no-loads-pw", permissions = $ANKUSA_NO_LOADS_PERMISSIONS }"#,
+    );
+    // The node's own permissions, less the consumers that load the state bucket.
+    let start = conf
+        .find("ANKUSA_NODE_PERMISSIONS = {")
+        .expect("the node's permissions");
+    let end = start + conf[start..].find("\n}\n").expect("their end") + 3;
+    let no_loads = conf[start..end]
+        .replace("ANKUSA_NODE_PERMISSIONS", "ANKUSA_NO_LOADS_PERMISSIONS")
+        .lines()
+        .filter(|line| !line.contains("CONSUMER.CREATE.KV_ankusa_prod_state"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let conf = conf.replacen(
+        "authorization {",
+        &format!("{no_loads}\n\nauthorization {{"),
+        1,
+    );
+    let nats = NatsServer::start_with(ServerConfig::new().append(&conf))
+        .await
+        .expect("nats-server with the deploy permissions starts");
+    let url = nats.url();
+
+    let healthy = fleet_node_as_node_user("healthy", &url).await;
+    let mut spec = node_spec(
+        "no-loads",
+        &url,
+        "fleet",
+        &[
+            "--nats-user",
+            "no-loads",
+            "--nats-password",
+            "no-loads-pw",
+            "--nats-inbox-prefix",
+            NODE_INBOX_PREFIX,
+        ],
+    );
+    spec.lease_ttl_ms = 2_000;
+    let no_loads = NodeProcess::start(spec).expect("node starts");
+
+    let stepped_aside = wait_until(Duration::from_secs(60), || async {
+        no_loads.metric("ankusa_steps_aside_total").await == Some(1.0)
+            && healthy.metric("ankusa_shards_owned").await == Some(SHARDS as f64)
+    })
+    .await;
+    assert!(
+        stepped_aside.is_ok(),
+        "the healthy node serves {:?} of {SHARDS}; the other: {}",
+        healthy.metric("ankusa_shards_owned").await,
+        no_loads.log_tail(20)
+    );
+    let (status, why) = no_loads.http("/readyz").await.expect("readyz");
+    assert_eq!(status, 503);
+    assert!(why.contains("stepped aside"), "{why}");
+    assert_eq!(no_loads.metric("ankusa_shards_owned").await, Some(0.0));
+    // Every tenant is answered by the fleet, wherever its shard is.
+    let edge = edge_as(&url, "ankusa-edge", EDGE_PASSWORD).await;
+    for i in 0..32 {
+        let tenant = format!("tenant-{i}");
+        round_trip(&edge, &tenant, "evt-1", Duration::from_secs(2)).await;
+    }
+    assert!(
+        healthy.is_ready().await,
+        "{}",
+        healthy
+            .http("/readyz")
+            .await
+            .map(|(_, why)| why)
+            .unwrap_or_default()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn token_and_nkey_authentication() {
     // Token.
