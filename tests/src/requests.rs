@@ -1,6 +1,7 @@
 //! Builders for the contract's requests, so tests read as the scenario they run,
 //! and the round of a hook they all start from.
 
+use std::future::Future;
 use std::time::Duration;
 
 use ankusa_actors::{
@@ -74,4 +75,19 @@ pub async fn round_trip(store: &impl Store, tenant: &str, key: &str, timeout: Du
             hook_id: "h1".into()
         })
     );
+}
+
+/// `call`'s answer, which must have come when a plain timer of `budget` fires:
+/// the timer starts once the call has set its own (on its first poll) and is
+/// polled after it, so however late a loaded host fires both, a call that
+/// honours its budget is over by then.
+pub async fn answered_within<F: Future>(call: F, budget: Duration) -> F::Output {
+    tokio::pin!(call);
+    assert!(futures::poll!(&mut call).is_pending(), "answered at once");
+    let reference = tokio::time::sleep(budget);
+    tokio::select! {
+        biased;
+        answer = &mut call => answer,
+        () = reference => panic!("no answer when a plain timer of its budget fired"),
+    }
 }

@@ -19,6 +19,7 @@ use ankusa_bus::{
 use ankusa_node::bench::echo::{EchoError, EchoResponder, EchoStore, NodeEchoResponder};
 use ankusa_node::bench::workload::{self, LoadMode, WorkloadConfig};
 use ankusa_tests::fleet::connected_edge;
+use ankusa_tests::requests::answered_within;
 use ankusa_tests::NatsServer;
 use futures::StreamExt;
 
@@ -120,18 +121,7 @@ async fn transport_failures_are_errors_within_the_budget() {
     let store = EchoStore::new(client, "bench.mute");
     let budget = Duration::from_millis(100);
     let t0 = Instant::now();
-    // Raced against a plain timer of the same budget, started once the call
-    // has set its own (on its first poll) and polled after it: the call must
-    // be over when that timer fires, however late a loaded host fires both.
-    let call = store.hit(hit(), budget);
-    tokio::pin!(call);
-    assert!(futures::poll!(&mut call).is_pending(), "answered at once");
-    let reference = tokio::time::sleep(budget);
-    let answer = tokio::select! {
-        biased;
-        answer = &mut call => answer,
-        () = reference => panic!("no answer when a plain timer of its budget fired"),
-    };
+    let answer = answered_within(store.hit(hit(), budget), budget).await;
     println!(
         "the mute subject answered {answer:?} after {:?}",
         t0.elapsed()
