@@ -399,12 +399,12 @@ impl NodeResponder {
         subject: String,
         table: ShardTable,
     ) -> Result<Self, async_nats::SubscribeError> {
-        // In a queue group, so that each batch reaches one process: two with
-        // one node id (a mistake, until the later one steps down) would both
-        // take every batch, and the one not serving an item's shard answers
-        // `wrong_node` first, so the edge sends the item again to the shard's
-        // subject, where the other applies it a second time.
-        let subscription = client.queue_subscribe(subject, NODE_QUEUE.into()).await?;
+        // Not a queue group, though two processes with one node id (a
+        // mistake, until the later steps down) both take every batch: a
+        // server may hold a dead process's subscription for minutes (a host
+        // that crashed, until its pings lapse), and in a group it would get
+        // half the batches of the node restarted under that id, to time out.
+        let subscription = client.subscribe(subject).await?;
         let running = Running::spawn(|stopped| run_node(client, table, subscription, stopped));
         Ok(Self { running })
     }
@@ -415,9 +415,6 @@ impl NodeResponder {
         self.running.stop(grace).await;
     }
 }
-
-/// The queue group of the node subjects' subscriptions.
-const NODE_QUEUE: &str = "ankusa_node";
 
 /// What an item on the node subject holds of its shard until its reply
 /// leaves: the shard's window, checked again just before, and its place among

@@ -130,8 +130,9 @@ struct Fleet {
     /// Shards whose leases this node's life before a restart holds, until
     /// they lapse: not asked for again before then.
     lapsing: BTreeMap<u32, Instant>,
-    /// Since when every shard load has failed (none succeeded since).
-    loads_failing_since: Option<Instant>,
+    /// Since when every shard load has failed (none succeeded since), and
+    /// when the last one failed.
+    loads_failing: Option<(Instant, Instant)>,
     /// While set, the node has stepped aside: out of the live nodes, holding
     /// nothing, until this instant brings a trial load.
     aside_until: Option<Instant>,
@@ -172,6 +173,7 @@ impl Fleet {
             claim_log_format: claimlog::NODE_LOG_FORMAT,
             incarnation: self.kv.incarnation(),
             shards: self.config.shards,
+            serving: self.held.len() as u32,
         };
         // No longer than a renewal waits, so that the next round renews in time.
         let bound = renewal_wait(&self.config);
@@ -485,11 +487,13 @@ impl Fleet {
         let (mut tenants_loaded, mut claims_loaded) = (0, 0);
         let mut states = match loaded {
             Ok(states) => {
-                self.loads_failing_since = None;
+                self.loads_failing = None;
                 states
             }
             Err(err) => {
-                self.loads_failing_since.get_or_insert_with(Instant::now);
+                let now = Instant::now();
+                let since = self.loads_failing.map_or(now, |(since, _)| since);
+                self.loads_failing = Some((since, now));
                 tracing::error!(shards = ?taken, error = %err, "cannot load shards; giving the leases back");
                 for shard in taken {
                     self.drop_lease(shard).await;
@@ -578,16 +582,18 @@ impl Fleet {
         3 * self.config.lease_ttl() + 2 * STEP_BOUND
     }
 
-    /// Steps aside when this node holds no shard and its loads have failed
-    /// for [`step_aside_after`], or tries a load when its time aside is up;
-    /// says whether the node is aside (and the round is to go no further).
+    /// Steps aside when this node holds no shard, its loads have failed for
+    /// [`step_aside_after`] (the last one lately), and another live node
+    /// serves shards; or tries a load when its time aside is up. Says
+    /// whether the node is aside (and the round is to go no further).
     ///
     /// Rendezvous hashing gives a live node its shards whatever it can do
     /// with them: a node that heartbeats but cannot load (its NATS user
     /// may not read the state bucket, say) would keep its targets unserved
     /// for good. Aside, it is not a live node, and the others serve them. A
-    /// node that serves shards never steps aside: when loads fail for every
-    /// node (a JetStream outage) it keeps what it serves.
+    /// node that serves shards never steps aside, nor one whose peers serve
+    /// none: when loads fail for every node (a JetStream outage, a cold
+    /// start), stepping aside would only add to the wait.
     async fn step_aside_if_failing(&mut self) -> bool {
         let now = Instant::now();
         if let Some(until) = self.aside_until {
@@ -601,7 +607,7 @@ impl Fleet {
                 Ok(_) => {
                     tracing::info!("a trial load succeeded; back among the live nodes");
                     self.aside_until = None;
-                    self.loads_failing_since = None;
+                    self.loads_failing = None;
                     self.health.set_aside(false);
                     return false;
                 }
@@ -613,12 +619,26 @@ impl Fleet {
                 }
             }
         }
-        let failing_for = self.loads_failing_since.map(|since| now - since);
-        if !self.held.is_empty() || failing_for < Some(step_aside_after(&self.config)) {
+        let after = step_aside_after(&self.config);
+        let Some((since, last)) = self.loads_failing else {
+            return false;
+        };
+        // A node serving shards, or whose last failed load is old news (its
+        // targets moved away since), forgets the failures.
+        if !self.held.is_empty() || now - last > after {
+            self.loads_failing = None;
+            return false;
+        }
+        let me = self.me();
+        let others_serve = self
+            .membership
+            .live(self.config.lease_ttl())
+            .is_some_and(|beats| beats.iter().any(|b| b.node != me && b.serving > 0));
+        if now - since < after || !others_serve {
             return false;
         }
         tracing::error!(
-            failing_ms = failing_for.unwrap_or_default().as_millis() as u64,
+            failing_ms = (now - since).as_millis() as u64,
             "every shard load has failed for this long, and this node serves no shard: it \
              steps aside (out of the live nodes, so that the others serve its shards) and \
              tries a load again from time to time; see the load errors above"
@@ -792,7 +812,13 @@ pub async fn run(
     // once rather than at the next round.
     let wake = Arc::new(Notify::new());
     let started_ms = ankusa_bus::kv::now_unix_ms();
-    let membership = Membership::watch(kv.clone(), &config.node_id, started_ms, wake.clone());
+    let membership = Membership::watch(
+        kv.clone(),
+        &config.node_id,
+        started_ms,
+        config.lease_ttl(),
+        wake.clone(),
+    );
     let renew_every = Duration::from_millis(config.lease_renew_ms);
     // How long a stop waits for the round under way.
     let finish_grace = config.lease_ttl();
@@ -807,7 +833,7 @@ pub async fn run(
         held: BTreeMap::new(),
         live: BTreeSet::new(),
         lapsing: BTreeMap::new(),
-        loads_failing_since: None,
+        loads_failing: None,
         aside_until: None,
         membership,
         health,

@@ -9,9 +9,11 @@
 //! node's own heartbeats stop coming back through it).
 //!
 //! The same watch tells when another live process has this node's id: its
-//! heartbeats keep coming after this process's own came back. Of two such
-//! twins the one started later steps down ([`Membership::yield_to`]), so that
-//! a mistaken second start leaves the first serving.
+//! heartbeats keep coming, for a heartbeat's lifetime, after this process's
+//! own came back (one or a burst of them may be a dead process's writes that
+//! a paused server stored late). Of two such twins the one started later
+//! steps down ([`Membership::yield_to`]), so that a mistaken second start
+//! leaves the first serving.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -31,6 +33,9 @@ struct View {
     incarnation: u64,
     /// When this process started (its heartbeats' `started_ms`).
     started_ms: u64,
+    /// A heartbeat's lifetime: how long another process's heartbeats must
+    /// keep coming for it to be a twin.
+    ttl: Duration,
     beats: BTreeMap<String, (Heartbeat, Instant)>,
     caught_up: bool,
     /// Whether a heartbeat of this process has come back through the watch.
@@ -39,16 +44,20 @@ struct View {
     heard_myself: bool,
     /// The twins already reported, so that each is logged once.
     twins: Vec<u64>,
+    /// When each other process of this id was first heard after this one.
+    heard_others: BTreeMap<u64, Instant>,
     /// A twin started before this process, which this one steps down for.
     elder: Option<Heartbeat>,
 }
 
 impl View {
-    fn new(me: String, incarnation: u64, started_ms: u64) -> Self {
+    fn new(me: String, incarnation: u64, started_ms: u64, ttl: Duration) -> Self {
         Self {
             me,
             incarnation,
             started_ms,
+            ttl,
+            heard_others: BTreeMap::new(),
             beats: BTreeMap::new(),
             caught_up: false,
             heard_myself: false,
@@ -63,7 +72,7 @@ impl View {
         self.caught_up |= event.caught_up;
         match event.change {
             NodeChange::Beat(beat) => {
-                let stepping_down = beat.node == self.me && self.check_twin(&beat);
+                let stepping_down = beat.node == self.me && self.check_twin(&beat, at);
                 self.beats.insert(beat.node.clone(), (beat, at)).is_none() || stepping_down
             }
             NodeChange::Gone(node) => self.beats.remove(&node).is_some(),
@@ -76,7 +85,7 @@ impl View {
     /// shards between them, each unaware, while the fleet counts them as one
     /// node: the other nodes' targets are wrong, and so are both processes'
     /// handoffs.
-    fn check_twin(&mut self, beat: &Heartbeat) -> bool {
+    fn check_twin(&mut self, beat: &Heartbeat, at: Instant) -> bool {
         if beat.incarnation == self.incarnation {
             self.heard_myself = true;
             return false;
@@ -84,6 +93,11 @@ impl View {
         // 0: a release that does not say; heard before this process's own:
         // the last heartbeat of this node's life before a restart.
         if !self.heard_myself || beat.incarnation == 0 || self.twins.contains(&beat.incarnation) {
+            return false;
+        }
+        // Still coming a heartbeat's lifetime after the first: a live process.
+        let first = *self.heard_others.entry(beat.incarnation).or_insert(at);
+        if at.saturating_duration_since(first) < self.ttl {
             return false;
         }
         self.twins.push(beat.incarnation);
@@ -143,11 +157,12 @@ impl Membership {
     /// Starts watching the heartbeats; `wake` is notified whenever a node
     /// joins or leaves (renewals of known nodes wake nobody; a heartbeat that
     /// lapses without a marker is found by the next round's [`Membership::live`]).
-    pub fn watch(kv: FleetKv, me: &str, started_ms: u64, wake: Arc<Notify>) -> Self {
+    pub fn watch(kv: FleetKv, me: &str, started_ms: u64, ttl: Duration, wake: Arc<Notify>) -> Self {
         let view = Arc::new(Mutex::new(View::new(
             me.to_string(),
             kv.incarnation(),
             started_ms,
+            ttl,
         )));
         let kept = view.clone();
         tokio::spawn(async move {
@@ -214,6 +229,7 @@ mod tests {
                 claim_log_format: 2,
                 incarnation,
                 shards: 16,
+                serving: 0,
             }),
             caught_up: true,
         }
@@ -227,7 +243,7 @@ mod tests {
     #[test]
     fn the_view_lists_the_nodes_heard_within_a_heartbeat_lifetime() {
         let t0 = Instant::now();
-        let mut view = View::new("a".into(), 1, 1);
+        let mut view = View::new("a".into(), 1, 1, TTL);
         assert!(view.apply(beat("a"), t0), "a new node is a change");
         assert!(view.apply(beat("b"), t0));
         assert!(!view.apply(beat("b"), t0 + TTL / 2), "a renewal is not");
@@ -254,7 +270,7 @@ mod tests {
     #[test]
     fn the_view_is_not_trusted_before_it_caught_up_or_without_this_nodes_heartbeat() {
         let t0 = Instant::now();
-        let mut view = View::new("a".into(), 1, 1);
+        let mut view = View::new("a".into(), 1, 1, TTL);
         let mut early = beat("b");
         early.caught_up = false;
         view.apply(early, t0);
@@ -288,7 +304,7 @@ mod tests {
     #[test]
     fn a_twin_is_a_process_of_this_id_heard_after_this_ones_own_heartbeat() {
         let t0 = Instant::now();
-        let mut view = View::new("a".into(), 1, 1);
+        let mut view = View::new("a".into(), 1, 1, TTL);
         view.apply(beat_of("a", 9), t0);
         assert!(view.twins.is_empty(), "the last heartbeat before a restart");
         view.apply(beat_of("a", 1), t0);
@@ -298,8 +314,15 @@ mod tests {
             view.twins.is_empty(),
             "a release that does not say, another node"
         );
+        // Late writes of a dead process, stored together by a server that
+        // had paused: heard within a heartbeat's lifetime of the first.
         for _ in 0..3 {
             view.apply(beat_of("a", 9), t0);
+        }
+        view.apply(beat_of("a", 9), t0 + TTL / 2);
+        assert!(view.twins.is_empty(), "a burst of late heartbeats");
+        for _ in 0..3 {
+            view.apply(beat_of("a", 9), t0 + TTL);
         }
         assert_eq!(view.twins, [9], "a live twin, reported once");
         view.reset();
@@ -318,13 +341,15 @@ mod tests {
                 claim_log_format: 2,
                 incarnation,
                 shards: 16,
+                serving: 0,
             }),
             caught_up: true,
         };
         let heard_after_own = |me: (u64, u64), other: (u64, u64)| {
-            let mut view = View::new("a".into(), me.0, me.1);
+            let mut view = View::new("a".into(), me.0, me.1, TTL);
             view.apply(twin(me.0, me.1), t0);
-            let woke = view.apply(twin(other.0, other.1), t0);
+            assert!(!view.apply(twin(other.0, other.1), t0), "heard once");
+            let woke = view.apply(twin(other.0, other.1), t0 + TTL);
             (woke, view.elder.map(|beat| beat.incarnation))
         };
         // (incarnation, started_ms) of this process, then of its twin.

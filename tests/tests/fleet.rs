@@ -1035,6 +1035,7 @@ async fn claims_go_to_the_node_log_only_once_every_live_node_reads_it() {
         claim_log_format: 0,
         incarnation: 0,
         shards: 0,
+        serving: 0,
     };
     kv.heartbeat(&earlier, Duration::from_secs(120))
         .await

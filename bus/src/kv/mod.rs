@@ -124,6 +124,10 @@ pub struct Heartbeat {
     /// releases. `ankusa status` checks its own against it.
     #[serde(default)]
     pub shards: u32,
+    /// The shards the node held when it wrote this; 0 from earlier releases.
+    /// A node that cannot load steps aside only while another serves.
+    #[serde(default)]
+    pub serving: u32,
 }
 
 /// A change to the heartbeats, as a watch of them delivers it.
@@ -1082,6 +1086,7 @@ mod tests {
             claim_log_format,
             incarnation: 7,
             shards: 64,
+            serving: 3,
         }
     }
 
@@ -1105,6 +1110,7 @@ mod tests {
             Heartbeat {
                 incarnation: 0,
                 shards: 0,
+                serving: 0,
                 ..beat("old", 0)
             }
         );
