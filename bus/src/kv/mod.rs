@@ -794,6 +794,12 @@ impl FleetKv {
                         Err(err) => return Err(err),
                     }
                 }
+                // Read up to where the stream ended when the load began: what
+                // is written after is no earlier owner's (it had let the shard
+                // go), and a busy bucket would keep the load chasing its tail.
+                if info.stream_sequence >= current_at {
+                    return Ok(());
+                }
                 // Nothing left on the consumer's server, which may lag the
                 // leader: done only if the leader holds nothing more either;
                 // else the rest comes once that server has it (or the load
