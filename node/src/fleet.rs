@@ -602,7 +602,9 @@ impl Fleet {
                 return true;
             }
             // A trial load, of one shard, holding no lease: the whole bucket
-            // is read as by any load.
+            // is read as by any load (which the health check is told of, as
+            // a round that is under way).
+            self.health.round_done(self.round_stall_bound());
             match self.kv.load_shards(&[0]).await {
                 Ok(_) => {
                     tracing::info!("a trial load succeeded; back among the live nodes");
