@@ -75,6 +75,8 @@ async fn a_stopped_responder_answers_every_request_already_delivered() {
     let edge = connect().await.expect("connect");
     let mut answers = edge.subscribe("answers.>").await.expect("subscribe");
     edge.flush().await.expect("flush");
+    let mut marks = node_connection.subscribe("mark").await.expect("subscribe");
+    node_connection.flush().await.expect("flush");
     for i in 0..REQUESTS {
         let op = Op::Hit(hit(&format!("t{}", i % 64), &format!("k{i}"), "h"));
         edge.publish_with_reply(
@@ -85,11 +87,16 @@ async fn a_stopped_responder_answers_every_request_already_delivered() {
         .await
         .expect("publish");
     }
-    // The server has routed every request once the edge's flush returns, and
-    // the node's connection has read them all into the responder's
-    // subscription once a round trip of its own returns after them.
+    // A mark sent after the requests reaches the node's connection after
+    // them (the server keeps one sender's order), so once it has come, that
+    // connection has read every request into the responder's subscription.
+    // (A flush only writes out a client's own buffer; it waits for no reply.)
+    edge.publish("mark", "".into()).await.expect("publish");
     edge.flush().await.expect("flush");
-    node_connection.flush().await.expect("flush");
+    tokio::time::timeout(Duration::from_secs(30), marks.next())
+        .await
+        .expect("the mark comes")
+        .expect("the mark's subscription");
 
     // The stop's first poll tells the responder's loop to stop; it then
     // waits for that loop, which cannot run while its thread is held. Only
