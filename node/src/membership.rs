@@ -221,10 +221,15 @@ mod tests {
     }
 
     fn beat_of(node: &str, incarnation: u64) -> NodeEvent {
+        started_beat(node, incarnation, 1)
+    }
+
+    /// The heartbeat of process `incarnation` of `node`, started at `started_ms`.
+    fn started_beat(node: &str, incarnation: u64, started_ms: u64) -> NodeEvent {
         NodeEvent {
             change: NodeChange::Beat(Heartbeat {
                 node: node.into(),
-                started_ms: 1,
+                started_ms,
                 http: None,
                 claim_log_format: 2,
                 incarnation,
@@ -333,18 +338,7 @@ mod tests {
     #[test]
     fn of_two_twins_the_one_started_later_steps_down() {
         let t0 = Instant::now();
-        let twin = |incarnation, started_ms| NodeEvent {
-            change: NodeChange::Beat(Heartbeat {
-                node: "a".into(),
-                started_ms,
-                http: None,
-                claim_log_format: 2,
-                incarnation,
-                shards: 16,
-                serving: 0,
-            }),
-            caught_up: true,
-        };
+        let twin = |incarnation, started_ms| started_beat("a", incarnation, started_ms);
         let heard_after_own = |me: (u64, u64), other: (u64, u64)| {
             let mut view = View::new("a".into(), me.0, me.1, TTL);
             view.apply(twin(me.0, me.1), t0);
