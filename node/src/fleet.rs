@@ -616,7 +616,6 @@ impl Fleet {
                 Err(err) => {
                     tracing::warn!(error = %err, "a trial load failed; staying aside");
                     self.aside_until = Some(Instant::now() + step_aside_after(&self.config));
-                    self.health.round_done(self.round_stall_bound());
                     return true;
                 }
             }
@@ -723,10 +722,11 @@ impl Fleet {
     }
 
     /// Leaves the fleet: withdraws the heartbeat (unless it is a twin's too)
-    /// and hands every shard back, within [`leave_bound`]. With NATS out of reach each KV call would wait
-    /// out its own bound, one shard after another; past the bound, the shards
-    /// not yet handed back stop answering and their leases lapse by TTL, as
-    /// after a crash, and the node exits all the same.
+    /// and hands every shard back, within [`leave_bound`]. With NATS out of
+    /// reach each KV call would wait out its own bound, one shard after
+    /// another; past the bound, the shards not yet handed back stop answering
+    /// and their leases lapse by TTL, as after a crash, and the node exits all
+    /// the same.
     async fn leave(&mut self, withdraw_heartbeat: bool) {
         self.health.set_shutting_down();
         let bound = leave_bound(&self.config);
