@@ -803,6 +803,23 @@ async fn a_writer_drops_the_buckets_of_the_shards_it_stopped_serving() {
     assert_eq!(stored(6).await, vec![], "a lapsed shard's TAT was written");
 }
 
+/// Node `id`, started, killed with -9 once ready, and started again under
+/// its id: ready once its earlier life's leases have lapsed.
+async fn killed_and_restarted(id: &str, nats: &NatsServer) -> NodeProcess {
+    let mut first = node(id, nats);
+    first
+        .wait_ready(Duration::from_secs(20))
+        .await
+        .expect("ready");
+    first.kill().await.expect("kill -9");
+    let again = node(id, nats);
+    again
+        .wait_ready(Duration::from_secs(20))
+        .await
+        .expect("ready after the restart");
+    again
+}
+
 /// Two live processes given one node id would split that node's shards
 /// while the fleet counts one node: each hears the other's heartbeats after
 /// its own and says so, and the one started later leaves the fleet and exits
@@ -814,17 +831,7 @@ async fn a_writer_drops_the_buckets_of_the_shards_it_stopped_serving() {
 async fn of_two_live_processes_with_one_node_id_the_later_leaves_and_a_restart_is_not_one() {
     const CONFLICTS: &str = "ankusa_node_id_conflicts_total";
     let nats = NatsServer::start().await.expect("nats");
-    let mut first = node("twin", &nats);
-    first
-        .wait_ready(Duration::from_secs(20))
-        .await
-        .expect("ready");
-    first.kill().await.expect("kill -9");
-    let again = node("twin", &nats);
-    again
-        .wait_ready(Duration::from_secs(20))
-        .await
-        .expect("ready after the restart");
+    let again = killed_and_restarted("twin", &nats).await;
     // Five heartbeats (one each lease_renew_ms, 400 ms).
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(
@@ -884,17 +891,7 @@ async fn of_two_live_processes_with_one_node_id_the_later_leaves_and_a_restart_i
 async fn a_restarted_node_waits_out_its_earlier_lifes_leases_without_asking_again() {
     const REFUSED: &str = "ankusa_lease_takes_refused_total";
     let nats = NatsServer::start().await.expect("nats");
-    let mut first = node("again", &nats);
-    first
-        .wait_ready(Duration::from_secs(20))
-        .await
-        .expect("ready");
-    first.kill().await.expect("kill -9");
-    let again = node("again", &nats);
-    again
-        .wait_ready(Duration::from_secs(20))
-        .await
-        .expect("ready once the leases lapsed");
+    let again = killed_and_restarted("again", &nats).await;
     assert_eq!(
         again.metric("ankusa_shards_owned").await,
         Some(SHARDS as f64)

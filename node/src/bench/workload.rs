@@ -1331,18 +1331,29 @@ mod tests {
         assert!(report.flaw().is_some());
     }
 
-    /// The local store, but every `fail_every`-th hit fails at once.
-    struct Flaky {
+    /// The local store, noting every hit and every tenant it is asked about;
+    /// every `fail_every`-th hit (0: none) fails at once, and each other one
+    /// takes `delay`.
+    #[derive(Default)]
+    struct Observed {
         inner: LocalStore,
-        calls: AtomicU64,
+        hits: AtomicU64,
+        tenants: Mutex<std::collections::HashSet<String>>,
         fail_every: u64,
+        delay: Duration,
     }
 
-    impl Store for Flaky {
+    impl Store for Observed {
         async fn hit(&self, req: HitRequest, budget: Duration) -> Result<HitOutcome, StoreError> {
-            if self.calls.fetch_add(1, Ordering::Relaxed) % self.fail_every == 0 {
+            let n = self.hits.fetch_add(1, Ordering::Relaxed);
+            self.tenants
+                .lock()
+                .unwrap()
+                .insert(req.tenant().to_string());
+            if self.fail_every > 0 && n % self.fail_every == 0 {
                 return Err(StoreError::Disconnected);
             }
+            tokio::time::sleep(self.delay).await;
             self.inner.hit(req, budget).await
         }
         async fn settle(
@@ -1360,10 +1371,9 @@ mod tests {
     #[tokio::test]
     async fn failed_calls_are_counted_apart_from_throughput() {
         let cfg = quick(LoadMode::Concurrency { in_flight: 4 });
-        let store = Arc::new(Flaky {
-            inner: LocalStore::default(),
-            calls: AtomicU64::new(0),
+        let store = Arc::new(Observed {
             fail_every: 4,
+            ..Observed::default()
         });
         let report = run(Arc::clone(&store), &cfg).await.unwrap();
         let h = &report.hit_outcomes;
@@ -1371,45 +1381,13 @@ mod tests {
         assert!(failed > 0, "{report}");
         // hits (and hits/s) are the answered ones; the failed ones are apart.
         assert_eq!(report.hits, h.ok + h.duplicate + h.pending + h.rate_limited);
-        assert_eq!(report.hits + failed, store.calls.load(Ordering::Relaxed));
+        assert_eq!(report.hits + failed, store.hits.load(Ordering::Relaxed));
         assert_eq!(report.hit_latency.count, report.hits);
         assert_eq!(report.hit_error_latency.count, failed);
         let rate = report.hits as f64 / report.elapsed_s;
         assert!((report.hits_per_sec - rate).abs() < 1e-6);
         assert!(report.flaw().is_some_and(|f| f.contains("of hits failed")));
         assert!(report.to_string().contains("hit err"), "{report}");
-    }
-
-    /// The local store, noting every tenant it is asked about and every hit,
-    /// each of which takes a millisecond (so that `max_hits` is not what
-    /// ends a phase).
-    #[derive(Default)]
-    struct Noting {
-        inner: LocalStore,
-        tenants: Mutex<std::collections::HashSet<String>>,
-        hits: AtomicU64,
-    }
-
-    impl Store for Noting {
-        async fn hit(&self, req: HitRequest, budget: Duration) -> Result<HitOutcome, StoreError> {
-            self.hits.fetch_add(1, Ordering::Relaxed);
-            self.tenants
-                .lock()
-                .unwrap()
-                .insert(req.tenant().to_string());
-            tokio::time::sleep(Duration::from_millis(1)).await;
-            self.inner.hit(req, budget).await
-        }
-        async fn settle(
-            &self,
-            req: SettleRequest,
-            budget: Duration,
-        ) -> Result<SettleOutcome, StoreError> {
-            self.inner.settle(req, budget).await
-        }
-        async fn reset(&self, tenant: String, budget: Duration) -> Result<(), StoreError> {
-            self.inner.reset(tenant, budget).await
-        }
     }
 
     #[tokio::test]
@@ -1429,7 +1407,11 @@ mod tests {
                 duplicate_rate: 0.0,
                 ..quick(mode)
             };
-            let store = Arc::new(Noting::default());
+            // A millisecond a hit, so that `max_hits` is not what ends a phase.
+            let store = Arc::new(Observed {
+                delay: Duration::from_millis(1),
+                ..Observed::default()
+            });
             let t0 = std::time::Instant::now();
             let report = run(Arc::clone(&store), &cfg).await.unwrap();
             assert!(t0.elapsed() >= Duration::from_millis(400));
