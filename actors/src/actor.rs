@@ -25,7 +25,10 @@
 //!
 //! Fairness: each tenant has a bounded queue. A tenant flooding its shard is shed
 //! with [`Refused::Overloaded`] at the shard, so the other tenants of the shard,
-//! each behind its own actor, keep their latency.
+//! each behind its own actor, keep their latency. A tenant's claims are bounded
+//! too ([`ShardConfig::max_tenant_claims`]): a hit on a new key past the bound
+//! is refused with [`Refused::ClaimsFull`], so one tenant's unique keys cannot
+//! fill the node's memory; loads keep every persisted claim regardless.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -39,7 +42,7 @@ use ractor::{
 use serde::{Deserialize, Serialize};
 
 use crate::clock::Clock;
-use crate::tenant::{Applied, TenantSnapshot, TenantState};
+use crate::tenant::{Applied, ClaimsFull, TenantSnapshot, TenantState};
 use crate::types::{
     HitOutcome, HitRequest, InspectRequest, InvalidRequest, ResetRequest, SettleOutcome,
     SettleRequest, TenantView,
@@ -54,6 +57,8 @@ pub enum Refused {
     DeadlineExpired,
     #[error("tenant queue is full ({queued} waiting); shedding")]
     Overloaded { queued: usize },
+    #[error(transparent)]
+    ClaimsFull(#[from] ClaimsFull),
     #[error("the shard is not running")]
     Unavailable,
 }
@@ -164,6 +169,9 @@ pub struct ShardConfig {
     pub sweep_every: Duration,
     /// Requests a tenant may have waiting before more are shed.
     pub tenant_queue: usize,
+    /// Claims a tenant may hold (live, or expired and not yet swept) before a
+    /// hit on a new key is refused with [`Refused::ClaimsFull`].
+    pub max_tenant_claims: usize,
     /// What a tenant actor's failure does to its shard.
     pub on_tenant_failure: TenantFailure,
 }
@@ -193,6 +201,7 @@ impl ShardConfig {
             idle_after: Duration::from_secs(30),
             sweep_every: Duration::from_secs(5),
             tenant_queue: 1024,
+            max_tenant_claims: DEFAULT_MAX_TENANT_CLAIMS,
             on_tenant_failure: TenantFailure::RestartEmpty,
         }
     }
@@ -204,6 +213,7 @@ pub struct TenantActor;
 pub struct TenantArgs {
     pub state: TenantState,
     pub clock: Arc<dyn Clock>,
+    pub max_claims: usize,
     pub gauges: Arc<TenantGauges>,
 }
 
@@ -219,6 +229,11 @@ pub struct TenantGauges {
     pub last_active_us: AtomicU64,
 }
 
+/// The claims one tenant may hold at a node unless configured otherwise: about
+/// 2 GB of a node's memory (some 200 bytes a claim), and a day's claims of a
+/// tenant taking over a hundred hooks a second.
+pub const DEFAULT_MAX_TENANT_CLAIMS: usize = 10_000_000;
+
 /// How many places of a claim table one sweep step looks at: a tenant is
 /// busy for tens of microseconds a step, not milliseconds a table.
 pub const SWEEP_STEP_BUCKETS: usize = 4096;
@@ -226,6 +241,7 @@ pub const SWEEP_STEP_BUCKETS: usize = 4096;
 pub struct TenantActorState {
     state: TenantState,
     clock: Arc<dyn Clock>,
+    max_claims: usize,
     gauges: Arc<TenantGauges>,
     /// A [`TenantMsg::SweepOn`] is queued.
     sweeping: bool,
@@ -244,6 +260,7 @@ impl Actor for TenantActor {
         Ok(TenantActorState {
             state: args.state,
             clock: args.clock,
+            max_claims: args.max_claims,
             gauges: args.gauges,
             sweeping: false,
         })
@@ -299,8 +316,8 @@ impl TenantActorState {
             job.refuse(Refused::DeadlineExpired);
             return;
         }
-        let applied = job.req.apply(&mut self.state, now);
-        let _ = job.reply.send(Ok(applied));
+        let reply = job.req.apply(&mut self.state, now, self.max_claims);
+        let _ = job.reply.send(reply);
     }
 }
 
@@ -318,8 +335,14 @@ pub trait TenantRequest: Sized + Send + 'static {
     fn tenant_name(&self) -> &str;
     /// Its own `validate`.
     fn check(&self) -> Result<(), InvalidRequest>;
-    /// Applies it to the tenant's state at `now_us`.
-    fn apply(&self, state: &mut TenantState, now_us: u64) -> Applied<Self::Outcome>;
+    /// Applies it to the tenant's state at `now_us`, the tenant allowed
+    /// `max_claims` claims.
+    fn apply(
+        &self,
+        state: &mut TenantState,
+        now_us: u64,
+        max_claims: usize,
+    ) -> Reply<Self::Outcome>;
     /// The message carrying the job to its tenant's actor.
     fn to_tenant(job: Job<Self, Self::Outcome>) -> TenantMsg;
     /// The job back from a message its tenant's actor did not take.
@@ -364,8 +387,8 @@ impl TenantRequest for HitRequest {
     fn check(&self) -> Result<(), InvalidRequest> {
         self.validate()
     }
-    fn apply(&self, state: &mut TenantState, now_us: u64) -> Applied<HitOutcome> {
-        state.hit(now_us, self)
+    fn apply(&self, state: &mut TenantState, now_us: u64, max_claims: usize) -> Reply<HitOutcome> {
+        Ok(state.hit_within(now_us, self, max_claims)?)
     }
     routed_as!(Hit);
 }
@@ -379,8 +402,8 @@ impl TenantRequest for SettleRequest {
     fn check(&self) -> Result<(), InvalidRequest> {
         self.validate()
     }
-    fn apply(&self, state: &mut TenantState, now_us: u64) -> Applied<SettleOutcome> {
-        state.settle(now_us, self)
+    fn apply(&self, state: &mut TenantState, now_us: u64, _: usize) -> Reply<SettleOutcome> {
+        Ok(state.settle(now_us, self))
     }
     routed_as!(Settle);
 }
@@ -394,11 +417,11 @@ impl TenantRequest for ResetRequest {
     fn check(&self) -> Result<(), InvalidRequest> {
         self.validate()
     }
-    fn apply(&self, state: &mut TenantState, _now_us: u64) -> Applied<()> {
-        Applied {
+    fn apply(&self, state: &mut TenantState, _now_us: u64, _: usize) -> Reply<()> {
+        Ok(Applied {
             outcome: (),
             changes: state.reset(),
-        }
+        })
     }
     routed_as!(Reset);
 }
@@ -412,8 +435,10 @@ impl TenantRequest for InspectRequest {
     fn check(&self) -> Result<(), InvalidRequest> {
         self.validate()
     }
-    fn apply(&self, state: &mut TenantState, now_us: u64) -> Applied<TenantView> {
-        Applied::unchanged(state.inspect(now_us, self.claim.as_ref()))
+    fn apply(&self, state: &mut TenantState, now_us: u64, _: usize) -> Reply<TenantView> {
+        Ok(Applied::unchanged(
+            state.inspect(now_us, self.claim.as_ref()),
+        ))
     }
     routed_as!(Inspect);
 }
@@ -620,6 +645,7 @@ impl ShardState {
         let args = TenantArgs {
             state,
             clock: self.config.clock.clone(),
+            max_claims: self.config.max_tenant_claims,
             gauges: gauges.clone(),
         };
         let (actor, _) = Actor::spawn_linked(None, TenantActor, args, myself.get_cell()).await?;
@@ -658,11 +684,12 @@ impl ShardState {
     /// empty), leaving the tenant parked.
     fn apply_parked<R: TenantRequest>(&mut self, job: Job<R, R::Outcome>) {
         let now = self.config.clock.now_us();
-        let applied = match self.parked.get_mut(job.req.tenant_name()) {
-            Some(parked) => job.req.apply(parked, now),
-            None => job.req.apply(&mut TenantState::default(), now),
+        let max_claims = self.config.max_tenant_claims;
+        let reply = match self.parked.get_mut(job.req.tenant_name()) {
+            Some(parked) => job.req.apply(parked, now, max_claims),
+            None => job.req.apply(&mut TenantState::default(), now, max_claims),
         };
-        let _ = job.reply.send(Ok(applied));
+        let _ = job.reply.send(reply);
     }
 
     /// A running tenant's actor, for a message of the shard's own.

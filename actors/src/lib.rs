@@ -17,12 +17,12 @@ pub mod types;
 
 pub use actor::{
     spawn_shard, InOrder, Refused, ShardConfig, ShardHandle, ShardMsg, ShardStats, TenantFailure,
-    TenantRequest, SWEEP_STEP_BUCKETS,
+    TenantRequest, DEFAULT_MAX_TENANT_CLAIMS, SWEEP_STEP_BUCKETS,
 };
 pub use claims::ClaimRecord;
 pub use clock::{AnchoredClock, Clock, ManualClock, SystemClock};
 pub use tenant::{
-    Applied, BucketRecord, Buckets, Changes, ClaimChange, TenantSnapshot, TenantState,
+    Applied, BucketRecord, Buckets, Changes, ClaimChange, ClaimsFull, TenantSnapshot, TenantState,
 };
 pub use types::{
     BucketView, Charge, Claim, ClaimView, EventKey, HitOutcome, HitRequest, InspectRequest,

@@ -127,6 +127,16 @@ impl Changes {
     }
 }
 
+/// A hit refused because it would add a claim to a tenant already holding the
+/// most a node keeps for one tenant. Nothing was changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the tenant holds {held} claims, the most kept for one tenant is {max}")]
+pub struct ClaimsFull {
+    /// Claims held, live or expired and not yet swept.
+    pub held: usize,
+    pub max: usize,
+}
+
 /// An outcome and the changes that produced it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Applied<T> {
@@ -163,17 +173,38 @@ fn until_ms(now_us: u64, ms: u64) -> u64 {
 }
 
 impl TenantState {
+    /// [`TenantState::hit_within`] with no cap on the claims held: for a store
+    /// whose claims are bounded otherwise (the edge's local store).
+    pub fn hit(&mut self, now_us: u64, req: &HitRequest) -> Applied<HitOutcome> {
+        match self.hit_within(now_us, req, usize::MAX) {
+            Ok(applied) => applied,
+            // No table holds usize::MAX claims: memory runs out long before.
+            Err(full) => unreachable!("{full}"),
+        }
+    }
+
     /// Applies a hit. The request must have passed [`HitRequest::validate`].
     ///
     /// Order: a replay by the hook that already holds the key pending answers `Ok`
     /// again and spends nothing (its first attempt paid); then the charges — a
     /// denied one answers `RateLimited` and writes nothing; then the claim — a
     /// taken key answers `Duplicate` (committed only) or `Pending` and spends
-    /// nothing; otherwise every charge is taken and the key becomes pending.
-    pub fn hit(&mut self, now_us: u64, req: &HitRequest) -> Applied<HitOutcome> {
+    /// nothing; a key that would make the table hold more than `max_claims`
+    /// is refused with [`ClaimsFull`] and spends nothing; otherwise every
+    /// charge is taken and the key becomes pending.
+    ///
+    /// The cap refuses only new keys: a key already held is always answered,
+    /// so a redelivery is still told `Duplicate` or `Pending` by a full table.
+    pub fn hit_within(
+        &mut self,
+        now_us: u64,
+        req: &HitRequest,
+        max_claims: usize,
+    ) -> Result<Applied<HitOutcome>, ClaimsFull> {
+        let Self { tats, claims } = self;
+        let held = claims.len();
         // One hash of the key for the whole hit: the slot found here is read for the
         // replay and the taken checks and, if the hit passes, claimed in place.
-        let Self { tats, claims } = self;
         let slot = req
             .claim
             .as_ref()
@@ -183,13 +214,13 @@ impl TenantState {
                 && matches!(entry.phase, Phase::Pending { .. })
                 && entry.hook_id() == claim.hook_id
             {
-                return Applied {
+                return Ok(Applied {
                     outcome: HitOutcome::Ok,
                     changes: Changes {
                         claim: Some(ClaimChange::Put(ClaimRecord::from_entry(entry))),
                         buckets: Buckets::default(),
                     },
-                };
+                });
             }
         }
 
@@ -203,9 +234,9 @@ impl TenantState {
             }
         }
         if let Some(wait_us) = wait_us {
-            return Applied::unchanged(HitOutcome::RateLimited {
+            return Ok(Applied::unchanged(HitOutcome::RateLimited {
                 retry_after_ms: gcra::retry_ms(wait_us),
-            });
+            }));
         }
 
         let mut changes = Changes::default();
@@ -219,7 +250,14 @@ impl TenantState {
                         retry_after_ms: gcra::retry_ms(entry.expires_us - now_us),
                     },
                 };
-                return Applied::unchanged(outcome);
+                return Ok(Applied::unchanged(outcome));
+            }
+            // An expired claim is replaced where it lies; only a vacant place grows the table.
+            if slot.get().is_none() && held >= max_claims {
+                return Err(ClaimsFull {
+                    held,
+                    max: max_claims,
+                });
             }
             let expires_us = until_ms(now_us, claim.pending_ttl_ms);
             let entry = slot.claim(
@@ -240,10 +278,10 @@ impl TenantState {
                 tat_us: new_tats[slot],
             });
         }
-        Applied {
+        Ok(Applied {
             outcome: HitOutcome::Ok,
             changes,
-        }
+        })
     }
 
     /// Settles a claim. The request must have passed [`SettleRequest::validate`].

@@ -6,9 +6,9 @@
 use ankusa_actors::types::limits;
 use ankusa_actors::types::validate_tenant;
 use ankusa_actors::{
-    BucketView, Charge, Claim, ClaimChange, ClaimRecord, ClaimView, Clock, EventKey, HitOutcome,
-    HitRequest, InspectRequest, InvalidRequest, Kind, ManualClock, SettleOutcome, SettleRequest,
-    Settlement, TenantSnapshot, TenantState, TenantView,
+    BucketView, Charge, Claim, ClaimChange, ClaimRecord, ClaimView, ClaimsFull, Clock, EventKey,
+    HitOutcome, HitRequest, InspectRequest, InvalidRequest, Kind, ManualClock, SettleOutcome,
+    SettleRequest, Settlement, TenantSnapshot, TenantState, TenantView,
 };
 
 const T0: u64 = 1_700_000_000_000_000;
@@ -425,6 +425,67 @@ fn claim_without_charges_is_allowed() {
     assert_eq!(applied.outcome, HitOutcome::Ok);
     assert!(applied.changes.buckets.is_empty());
     assert!(applied.changes.claim.is_some());
+}
+
+#[test]
+fn a_full_claim_table_refuses_new_keys_only_and_spends_nothing() {
+    let mut state = TenantState::default();
+    let charges = || vec![charge(Kind::Hooks, 100_000, 1_000_000)];
+    let claim_at = |state: &mut TenantState, t: u64, key: &str, hook: &str| {
+        state.hit_within(t, &hit(charges(), Some(claim(key, hook))), 2)
+    };
+    let ok = |r: Result<ankusa_actors::Applied<HitOutcome>, ClaimsFull>| r.map(|a| a.outcome);
+    assert_eq!(ok(claim_at(&mut state, T0, "a", "h1")), Ok(HitOutcome::Ok));
+    assert_eq!(ok(claim_at(&mut state, T0, "b", "h2")), Ok(HitOutcome::Ok));
+    let commit = settle(claim("a", "h1"), Settlement::Commit);
+    assert_eq!(state.settle(T0, &commit).outcome, SettleOutcome::Ok);
+
+    // A third key is refused, and the refusal spent none of the bucket.
+    let tat = state.tat(Kind::Hooks);
+    assert_eq!(
+        claim_at(&mut state, T0, "c", "h3"),
+        Err(ClaimsFull { held: 2, max: 2 })
+    );
+    assert_eq!(state.tat(Kind::Hooks), tat);
+    assert_eq!(state.claims().len(), 2);
+
+    // Keys already held are still answered: a redelivery of the committed
+    // hook is a duplicate, another hook on the pending key waits, and the
+    // pending hook's own replay is its claim again.
+    assert_eq!(
+        ok(claim_at(&mut state, T0, "a", "h9")),
+        Ok(HitOutcome::Duplicate {
+            hook_id: "h1".into()
+        })
+    );
+    assert!(matches!(
+        ok(claim_at(&mut state, T0, "b", "h9")),
+        Ok(HitOutcome::Pending { .. })
+    ));
+    assert_eq!(ok(claim_at(&mut state, T0, "b", "h2")), Ok(HitOutcome::Ok));
+    // A hit without a claim is not refused.
+    assert_eq!(
+        state
+            .hit_within(T0, &hit(charges(), None), 2)
+            .map(|a| a.outcome),
+        Ok(HitOutcome::Ok)
+    );
+
+    // Once the pending claim expires its place is taken again where it lies.
+    let later = T0 + 5_000_000;
+    assert_eq!(
+        ok(claim_at(&mut state, later, "b", "h4")),
+        Ok(HitOutcome::Ok)
+    );
+    assert_eq!(state.claims().len(), 2);
+    // Only sweeping frees a place for a new key: an expired claim still counts.
+    let after_pending = T0 + 10_000_001;
+    assert!(claim_at(&mut state, after_pending, "c", "h3").is_err());
+    assert_eq!(state.sweep(after_pending), 1);
+    assert_eq!(
+        ok(claim_at(&mut state, after_pending, "c", "h3")),
+        Ok(HitOutcome::Ok)
+    );
 }
 
 // ---------------------------------------------------------------- settle

@@ -809,7 +809,9 @@ fn refused(why: Refused) -> ReplyBody {
     ReplyBody::Error(match why {
         Refused::Invalid(invalid) => ErrorReply::invalid(invalid),
         Refused::DeadlineExpired => ErrorReply::new(ErrorCode::DeadlineExpired, why.to_string()),
-        Refused::Overloaded { .. } => ErrorReply::new(ErrorCode::Overloaded, why.to_string()),
+        Refused::Overloaded { .. } | Refused::ClaimsFull(_) => {
+            ErrorReply::new(ErrorCode::Overloaded, why.to_string())
+        }
         Refused::Unavailable => ErrorReply::new(ErrorCode::Unavailable, why.to_string()),
     })
 }

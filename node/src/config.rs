@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use ankusa_actors::DEFAULT_MAX_TENANT_CLAIMS;
 use ankusa_bus::shard::MAX_SHARDS;
 use ankusa_bus::{NatsOptions, Subjects};
 use clap::{Args, ValueEnum};
@@ -94,6 +95,9 @@ pub struct NodeConfig {
     pub sweep_every_ms: u64,
     /// Requests one tenant may have queued before more are shed.
     pub tenant_queue: usize,
+    /// Claims one tenant may hold at a node (live, or expired and not yet
+    /// swept) before a hit on a new key is answered `overloaded`.
+    pub max_tenant_claims: usize,
     /// Threads that run the node's work. 1: one thread, on which a request's
     /// every hop (connection, shard, tenant, claim log) stays; to use more
     /// cores, run more nodes (the fleet spreads shards over them). 0: a
@@ -124,6 +128,7 @@ impl Default for NodeConfig {
             idle_after_ms: 30_000,
             sweep_every_ms: 5_000,
             tenant_queue: 1024,
+            max_tenant_claims: DEFAULT_MAX_TENANT_CLAIMS,
             worker_threads: 1,
             http_addr: Some(SocketAddr::from(([127, 0, 0, 1], 9464))),
             log_format: LogFormat::Human,
@@ -286,6 +291,9 @@ pub struct Overrides {
     /// Requests a tenant may queue before being shed [default: 1024]
     #[arg(long, env = "ANKUSA_TENANT_QUEUE")]
     pub tenant_queue: Option<usize>,
+    /// Claims a tenant may hold before new keys are refused [default: 10000000]
+    #[arg(long, env = "ANKUSA_MAX_TENANT_CLAIMS")]
+    pub max_tenant_claims: Option<usize>,
     /// Threads for the node's work: 1 one thread, 0 one per CPU [default: 1]
     #[arg(long, env = "ANKUSA_WORKER_THREADS")]
     pub worker_threads: Option<usize>,
@@ -357,6 +365,7 @@ impl NodeConfig {
         set(&mut self.lease_renew_ms, &o.lease_renew_ms);
         set(&mut self.write_behind_ms, &o.write_behind_ms);
         set(&mut self.tenant_queue, &o.tenant_queue);
+        set(&mut self.max_tenant_claims, &o.max_tenant_claims);
         set(&mut self.worker_threads, &o.worker_threads);
         set(&mut self.idle_after_ms, &o.idle_after_ms);
         set(&mut self.sweep_every_ms, &o.sweep_every_ms);
@@ -448,6 +457,9 @@ impl NodeConfig {
         }
         if self.tenant_queue == 0 {
             return Err(invalid("tenant_queue", "must be at least 1"));
+        }
+        if self.max_tenant_claims == 0 {
+            return Err(invalid("max_tenant_claims", "must be at least 1"));
         }
         if self.worker_threads > MAX_WORKER_THREADS {
             return Err(invalid(

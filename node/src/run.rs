@@ -55,6 +55,7 @@ pub(crate) fn shard_config(config: &NodeConfig, clock: Arc<dyn Clock>) -> ShardC
         idle_after: Duration::from_millis(config.idle_after_ms),
         sweep_every: Duration::from_millis(config.sweep_every_ms),
         tenant_queue: config.tenant_queue,
+        max_tenant_claims: config.max_tenant_claims,
         ..ShardConfig::new(clock)
     }
 }

@@ -20,7 +20,7 @@ use ankusa_bus::kv::{within, FleetKv, Heartbeat, KvWriter, LeaseError};
 use ankusa_bus::protocol::{ErrorCode, Op, Reply, ReplyBody, Request};
 use ankusa_bus::responder::ServeWindow;
 use ankusa_bus::{
-    server_caught_up, shard_of, FleetConfig, FleetStore, NatsOptions, Store, Subjects,
+    server_caught_up, shard_of, FleetConfig, FleetStore, NatsOptions, Store, StoreError, Subjects,
 };
 use ankusa_node::fleet::target_owner;
 use ankusa_tests::requests::{hit, hooks, round_trip, settle};
@@ -1782,4 +1782,73 @@ async fn sum_metric(nodes: &[NodeProcess], name: &str) -> f64 {
         total += node.metric(name).await.unwrap_or(0.0);
     }
     total
+}
+
+/// A tenant holding `max_tenant_claims` claims is refused a new key with
+/// `overloaded` and nothing is charged or claimed, while the keys it holds are
+/// answered as always (a redelivery is still a duplicate) and other tenants are
+/// served. The cap only refuses new keys: a node started with a lower one
+/// loads every persisted claim and still answers each a duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_at_its_claim_cap_is_refused_new_keys_and_still_told_duplicates() {
+    let nats = NatsServer::start().await.expect("nats");
+    let capped = |cap: usize| {
+        let mut spec = NodeSpec::fleet("capped", vec![nats.url()]);
+        spec.extra_args = vec!["--max-tenant-claims".into(), cap.to_string()];
+        NodeProcess::start(spec).expect("node starts")
+    };
+    let mut first = capped(3);
+    first
+        .wait_ready(Duration::from_secs(20))
+        .await
+        .expect("ready");
+    let store = edge(&nats).await;
+    let keys = ["k0", "k1", "k2"];
+    for key in keys {
+        round_trip(&store, "full", key, T).await;
+    }
+    let refused_new_key = async |store: &FleetStore| {
+        let refused = store.hit(hit("full", "k3", "h1"), T).await;
+        assert!(
+            matches!(&refused, Err(StoreError::Refused(reply))
+                if reply.code == ErrorCode::Overloaded && reply.message.contains("claims")),
+            "a fourth key is refused for the claims held: {refused:?}"
+        );
+        assert_eq!(
+            claims_shown(store, "full", &["k3"]).await,
+            [None],
+            "the refused key was not claimed"
+        );
+    };
+    refused_new_key(&store).await;
+    assert_eq!(
+        store.hit(hit("full", "k0", "h2"), T).await,
+        Ok(HitOutcome::Duplicate {
+            hook_id: "h1".into()
+        }),
+        "a key already held is answered at the cap"
+    );
+    assert_eq!(
+        store.hit(hit("other", "k3", "h1"), T).await,
+        Ok(HitOutcome::Ok),
+        "another tenant is not held to this one's claims"
+    );
+
+    first.stop().await.expect("graceful stop");
+    let again = capped(2);
+    again
+        .wait_ready(Duration::from_secs(20))
+        .await
+        .expect("ready after the restart");
+    let store = edge(&nats).await;
+    for key in keys {
+        assert_eq!(
+            store.hit(hit("full", key, "h2"), T).await,
+            Ok(HitOutcome::Duplicate {
+                hook_id: "h1".into()
+            }),
+            "{key}: a claim over the new cap is loaded all the same"
+        );
+    }
+    refused_new_key(&store).await;
 }
