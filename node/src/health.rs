@@ -69,6 +69,20 @@ impl Health {
             .map_or(0, |c| c.statistics().connects.load(Ordering::Relaxed))
     }
 
+    /// `Ok` while the process is worth keeping, else why it wants a restart:
+    /// an ownership loop stuck past its bound renews no lease and takes no
+    /// shard again by itself (every call of a round is bounded, so only a bug
+    /// gets it there).
+    pub fn liveness(&self) -> Result<String, String> {
+        match self.stalled_for() {
+            Some(since) => Err(format!(
+                "the ownership loop has not finished a round for {} ms (leases are not being renewed)\n",
+                since.as_millis()
+            )),
+            None => Ok("ok\n".into()),
+        }
+    }
+
     /// `Ok(summary)` when ready to serve, else why not.
     pub fn readiness(&self) -> Result<String, String> {
         let served = self.shards_served.load(Ordering::Relaxed);
@@ -79,12 +93,7 @@ impl Health {
         if !self.connected() {
             return Err("not connected to NATS\n".into());
         }
-        if let Some(since) = self.stalled_for() {
-            return Err(format!(
-                "the ownership loop has not finished a round for {} ms (leases are not being renewed)\n",
-                since.as_millis()
-            ));
-        }
+        self.liveness()?;
         if self.aside.load(Ordering::Relaxed) {
             return Err(
                 "stepped aside: its shard loads failed while it served no shard (see the log); \
@@ -104,5 +113,28 @@ impl Health {
         metrics::counter!("ankusa_nats_connects_total").absolute(self.connects());
         metrics::gauge!("ankusa_shards_target")
             .set(self.shards_target.load(Ordering::Relaxed) as f64);
+        metrics::gauge!("ankusa_ready").set(if self.readiness().is_ok() { 1.0 } else { 0.0 });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stuck_ownership_loop_fails_liveness_as_well_as_readiness() {
+        let health = Health::default();
+        assert_eq!(health.liveness(), Ok("ok\n".into()), "no round yet");
+        health.round_done(Duration::from_secs(60));
+        assert!(health.liveness().is_ok());
+        health.round_done(Duration::ZERO);
+        std::thread::sleep(Duration::from_millis(5));
+        let why = health.liveness().expect_err("past its bound");
+        assert!(why.contains("ownership loop"), "{why}");
+        // Readiness says first that it has no NATS client; a stuck loop
+        // never reads as ready either way.
+        assert!(health.readiness().is_err());
+        health.round_done(Duration::from_secs(60));
+        assert!(health.liveness().is_ok(), "a finished round makes it live again");
     }
 }

@@ -234,7 +234,7 @@ pub async fn serve(
 ) -> std::io::Result<SocketAddr> {
     let app = Router::new()
         .route("/metrics", get(render_metrics))
-        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/healthz", get(live))
         .route("/readyz", get(ready))
         .with_state(AppState { metrics, health });
     let listener = BoundedListener::new(
@@ -363,8 +363,16 @@ async fn render_metrics(State(state): State<AppState>) -> String {
     state.metrics.render()
 }
 
+async fn live(State(state): State<AppState>) -> (StatusCode, String) {
+    answer(state.health.liveness())
+}
+
 async fn ready(State(state): State<AppState>) -> (StatusCode, String) {
-    match state.health.readiness() {
+    answer(state.health.readiness())
+}
+
+fn answer(health: Result<String, String>) -> (StatusCode, String) {
+    match health {
         Ok(summary) => (StatusCode::OK, summary),
         Err(why) => (StatusCode::SERVICE_UNAVAILABLE, why),
     }
