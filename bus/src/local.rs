@@ -39,9 +39,11 @@
 //! tenants that hold nothing (full buckets, no live claim), a few thousand
 //! places of each tenant's claim table at a time, so that the answer that pays
 //! for it stays quick; [`LocalStore::sweep`] does every shard whole at once for
-//! a periodic tick. Live claims are kept until they expire, however many: the
-//! tenant count bounds the buckets, and an outage's hooks times their TTL
-//! bound the claims. A new tenant on a full shard
+//! a periodic tick. Live claims are kept until they expire, at most
+//! `max_tenant_claims` a tenant: a hit on a new key past that is answered
+//! `Pending` (retry later) and claims nothing, since this store is the edge's
+//! last answer and a fleet that refused the tenant's claims (`overloaded`)
+//! would otherwise move them all here. A new tenant on a full shard
 //! first drops empty tenants; if that leaves less room than an eighth of the
 //! shard, the least recently used tenants are evicted to make that room. Evicting a tenant can only cause extra admissions
 //! (fresh buckets, forgotten claims), never a `Duplicate`.
@@ -67,7 +69,14 @@ pub struct LocalConfig {
     pub max_tenants: usize,
     /// Operations on a shard between two sweeps of it (at least 1).
     pub sweep_every: u32,
+    /// Claims one tenant may hold here (live, or expired and not yet swept)
+    /// before a hit on a new key is answered `Pending` (at least 1).
+    pub max_tenant_claims: usize,
 }
+
+/// What a hit on a new key of a tenant at its claim cap is told: retry after
+/// this long, by when a sweep may have made room or the fleet may be back.
+pub const CLAIMS_FULL_RETRY_MS: u64 = 1_000;
 
 impl Default for LocalConfig {
     fn default() -> Self {
@@ -75,6 +84,7 @@ impl Default for LocalConfig {
             shards: 16,
             max_tenants: 100_000,
             sweep_every: 1024,
+            max_tenant_claims: 1_000_000,
         }
     }
 }
@@ -90,6 +100,9 @@ pub struct LocalStats {
     pub dropped: u64,
     /// Expired claims dropped by sweeps.
     pub swept_claims: u64,
+    /// Hits on a new key answered `Pending` because their tenant held
+    /// `max_tenant_claims` here.
+    pub claims_refused: u64,
 }
 
 struct Entry {
@@ -117,9 +130,11 @@ pub struct LocalStore {
     clock: Arc<dyn Clock>,
     per_shard: usize,
     sweep_every: u32,
+    max_tenant_claims: usize,
     evicted: AtomicU64,
     dropped: AtomicU64,
     swept_claims: AtomicU64,
+    claims_refused: AtomicU64,
 }
 
 impl std::fmt::Debug for LocalStore {
@@ -142,9 +157,11 @@ impl LocalStore {
             clock,
             per_shard: config.max_tenants.div_ceil(shards).max(1),
             sweep_every: config.sweep_every.max(1),
+            max_tenant_claims: config.max_tenant_claims.max(1),
             evicted: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
             swept_claims: AtomicU64::new(0),
+            claims_refused: AtomicU64::new(0),
         }
     }
 
@@ -162,10 +179,10 @@ impl LocalStore {
         self.tick(&mut shard, now);
         if let Some(entry) = shard.tenants.get_mut(tenant) {
             entry.last_used_us = now;
-            return entry.state.hit(now, req).outcome;
+            return self.hit_capped(&mut entry.state, now, req);
         }
         let mut state = TenantState::default();
-        let outcome = state.hit(now, req).outcome;
+        let outcome = self.hit_capped(&mut state, now, req);
         // A hit that wrote nothing leaves nothing to remember.
         if !state.is_empty(now) {
             self.make_room(&mut shard, now);
@@ -178,6 +195,18 @@ impl LocalStore {
             );
         }
         outcome
+    }
+
+    fn hit_capped(&self, state: &mut TenantState, now: u64, req: &HitRequest) -> HitOutcome {
+        match state.hit_within(now, req, self.max_tenant_claims) {
+            Ok(applied) => applied.outcome,
+            Err(_) => {
+                self.claims_refused.fetch_add(1, Ordering::Relaxed);
+                HitOutcome::Pending {
+                    retry_after_ms: CLAIMS_FULL_RETRY_MS,
+                }
+            }
+        }
     }
 
     /// Settles a claim this store holds; any other claim is `NotFound` here.
@@ -288,6 +317,7 @@ impl LocalStore {
             evicted: self.evicted.load(Ordering::Relaxed),
             dropped: self.dropped.load(Ordering::Relaxed),
             swept_claims: self.swept_claims.load(Ordering::Relaxed),
+            claims_refused: self.claims_refused.load(Ordering::Relaxed),
         }
     }
 
@@ -492,12 +522,48 @@ mod tests {
     }
 
     #[test]
+    fn a_tenant_at_its_claim_cap_is_told_pending_for_new_keys_only() {
+        let clock = ManualClock::new(T0);
+        let config = LocalConfig {
+            max_tenant_claims: 2,
+            ..LocalConfig::default()
+        };
+        let local = store(&clock, config);
+        let claim_hit = |tenant: &str, key: &str, hook: &str| HitRequest {
+            charges: Vec::new(),
+            claim: Some(claim(tenant, key, hook)),
+        };
+        assert_eq!(local.hit(&claim_hit("t", "a", "h1")), Ok(HitOutcome::Ok));
+        assert_eq!(local.hit(&claim_hit("t", "b", "h1")), Ok(HitOutcome::Ok));
+        let commit = settle(claim("t", "a", "h1"), Settlement::Commit);
+        assert_eq!(local.settle(&commit), Ok(SettleOutcome::Ok));
+
+        assert_eq!(
+            local.hit(&claim_hit("t", "c", "h1")),
+            Ok(HitOutcome::Pending {
+                retry_after_ms: CLAIMS_FULL_RETRY_MS
+            })
+        );
+        assert!(!local.has_live_claim("t", "src", "c"), "nothing claimed");
+        assert_eq!(local.stats().claims_refused, 1);
+        // The keys held are answered as ever, and another tenant has its own room.
+        assert_eq!(
+            local.hit(&claim_hit("t", "a", "h2")),
+            Ok(HitOutcome::Duplicate {
+                hook_id: "h1".into()
+            })
+        );
+        assert_eq!(local.hit(&claim_hit("u", "c", "h1")), Ok(HitOutcome::Ok));
+    }
+
+    #[test]
     fn periodic_sweep_drops_empty_tenants() {
         let clock = ManualClock::new(T0);
         let config = LocalConfig {
             shards: 1,
             max_tenants: 1_000,
             sweep_every: 4,
+            ..LocalConfig::default()
         };
         let local = store(&clock, config);
         for t in ["a", "b", "c"] {
@@ -517,6 +583,7 @@ mod tests {
             shards: 1,
             max_tenants: 1_000,
             sweep_every: 64,
+            ..LocalConfig::default()
         };
         let local = store(&clock, config);
         let claims = 8 * SWEEP_STEP;
@@ -564,6 +631,7 @@ mod tests {
             shards: 1,
             max_tenants: 8,
             sweep_every: u32::MAX,
+            ..LocalConfig::default()
         };
         let local = store(&clock, config);
         // "old" will be empty (refilled) by the time the shard fills up.
