@@ -39,7 +39,9 @@
 //! Two rules make the replay safe against writes that land late (a paused node
 //! waking up with writes still in its socket):
 //! - a pending claim never replaces a live committed one;
-//! - a release deletes only the pending claim of the hook that made it.
+//! - a release deletes only the pending claim of the hook that made it, and
+//!   only the claim it cancelled or an earlier one (by expiry: a claim made
+//!   again expires later), never one the hook made after it.
 //!
 //! Neither can turn a claim that was not committed into a committed one, so a
 //! replayed log never answers `Duplicate` for a hook that was not stored.
@@ -311,16 +313,15 @@ impl Replay {
                 source_id,
                 key,
                 hook_id,
-                ..
+                expires_us,
             } => {
                 let Some(claims) = state.tenants.get_mut(&tenant) else {
                     return;
                 };
                 let slot = (source_id, key);
-                if claims
-                    .get(&slot)
-                    .is_some_and(|held| !held.committed && held.hook_id() == hook_id)
-                {
+                if claims.get(&slot).is_some_and(|held| {
+                    !held.committed && held.hook_id() == hook_id && held.expires_us <= expires_us
+                }) {
                     claims.remove(&slot);
                 }
             }
@@ -470,6 +471,24 @@ mod tests {
             put("a", "h2", false, NOW + 5),
         ]);
         assert_eq!(claims, vec![record("a", "h2", true, NOW + 50)]);
+    }
+
+    #[test]
+    fn a_release_landing_late_keeps_the_claim_its_hook_made_after_it() {
+        // h1 claimed, released (its claim would have expired at NOW + 10),
+        // then claimed again on another owner; the release's write landed after
+        // the new claim's.
+        let claims = replay(vec![
+            put("a", "h1", false, NOW + 10),
+            put("a", "h1", false, NOW + 40),
+            delete("a", "h1"),
+        ]);
+        assert_eq!(claims, vec![record("a", "h1", false, NOW + 40)]);
+        // In order, the release deletes the claim it cancelled.
+        assert_eq!(
+            replay(vec![put("a", "h1", false, NOW + 10), delete("a", "h1")]),
+            vec![]
+        );
     }
 
     #[test]
@@ -732,7 +751,8 @@ mod tests {
             buckets: &'a [BucketRecord],
         }
         let committed = put("a", "h1", true, NOW + 5_000_000);
-        let released = put("b", "h2", false, NOW + 5_000_000);
+        // Released: the release carries the expiry of the claim it cancels.
+        let released = put("b", "h2", false, NOW + 10);
         let buckets = [BucketRecord {
             kind: Kind::Hooks,
             tat_us: NOW + 7,

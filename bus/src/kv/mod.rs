@@ -187,9 +187,21 @@ fn lease_key(shard: u32) -> String {
 }
 
 /// Per-message TTLs are whole seconds, at least 1; round up so a record never
-/// disappears before the state it holds expires.
+/// disappears before the state it holds expires. At most a little over the
+/// longest any state may live (a bucket of a year's capacity): a record loaded
+/// with a wild expiry (a foreign writer's, a corrupt one) must not give its
+/// message a TTL the server refuses, taking the other changes with it.
 fn ttl_secs_until(expires_us: u64, now_us: u64) -> u64 {
-    expires_us.saturating_sub(now_us).div_ceil(1_000_000).max(1)
+    use ankusa_actors::types::limits::{MAX_CAPACITY_US, MAX_TTL_MS};
+    const _: () = assert!(
+        MAX_CAPACITY_US >= MAX_TTL_MS * 1000,
+        "no claim outlives a bucket"
+    );
+    const LONGEST_S: u64 = MAX_CAPACITY_US / 1_000_000 + 24 * 3600;
+    expires_us
+        .saturating_sub(now_us)
+        .div_ceil(1_000_000)
+        .clamp(1, LONGEST_S)
 }
 
 fn encode<T: Serialize>(value: &T) -> Bytes {
@@ -1005,6 +1017,15 @@ fn check_replicas(store: &kv::Store, configured: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_message_ttl_is_whole_seconds_rounded_up_and_bounded() {
+        const NOW: u64 = 1_700_000_000_000_000;
+        assert_eq!(ttl_secs_until(NOW - 5, NOW), 1, "at least a second");
+        assert_eq!(ttl_secs_until(NOW + 1_000_001, NOW), 2);
+        let year = ttl_secs_until(NOW + ankusa_actors::types::limits::MAX_CAPACITY_US, NOW);
+        assert_eq!(ttl_secs_until(u64::MAX, NOW), year + 24 * 3600);
+    }
 
     /// Nodes of this release and of earlier ones read each other's leases: an
     /// earlier lease has no incarnation (0, which no `FleetKv` writes), and
