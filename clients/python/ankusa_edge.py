@@ -1556,6 +1556,8 @@ _ROOM_SCAN = 64
 # visit stopped (as the Rust store sweeps 4,096 places a step): a tenant of a
 # million claims would otherwise hold up the answer its visit was made in.
 _SWEEP_STEP = 4_096
+# What a hit on a new key of a tenant at its claim cap is told to wait.
+_CLAIMS_FULL_RETRY_MS = 1_000
 
 
 @dataclass
@@ -1599,13 +1601,24 @@ class LocalStore:
     ``max_tenants`` are kept: a new tenant past that drops those of the 64
     least recently used that hold nothing or, if none of them does, the
     eighth of those 64 used least recently, live claims and all. That can
-    only admit more, never answer ``Duplicate``. Requests must have passed
-    ``validate``. Not thread-safe: use it from one event loop, as
-    ``DegradingEdge`` does."""
+    only admit more, never answer ``Duplicate``. A tenant holds at most
+    ``max_tenant_claims`` claims (expired ones count until swept): a hit on a
+    new key past that is answered ``Pending`` (retry after a second) and claims
+    nothing, as the Rust edge's local store does, so a fleet refusing the
+    tenant's claims (``overloaded``) does not move them all here. Requests
+    must have passed ``validate``. Not thread-safe: use it from one event
+    loop, as ``DegradingEdge`` does."""
 
-    def __init__(self, *, max_tenants: int = 100_000, clock: Callable[[], int] | None = None):
+    def __init__(
+        self,
+        *,
+        max_tenants: int = 100_000,
+        max_tenant_claims: int = 1_000_000,
+        clock: Callable[[], int] | None = None,
+    ):
         self._clock = clock or wall_clock_us()
         self._max_tenants = max(1, max_tenants)
+        self._max_tenant_claims = max(1, max_tenant_claims)
         self._tenants: dict[str, _LocalTenant] = {}
         # Every tenant made, in the order the incremental sweep visits them,
         # and where it stopped. An entry whose tenant has gone is dropped
@@ -1713,7 +1726,11 @@ class LocalStore:
                 return Duplicate(held.hook_id)
             return Pending(_retry_ms(held.expires_us - now))
         if claim:
-            tenant.claims[(claim.source_id, claim.key)] = _LocalClaim(
+            key = (claim.source_id, claim.key)
+            # An expired claim is replaced where it lies; only a new key grows the table.
+            if key not in tenant.claims and len(tenant.claims) >= self._max_tenant_claims:
+                return Pending(_CLAIMS_FULL_RETRY_MS)
+            tenant.claims[key] = _LocalClaim(
                 claim.hook_id, claim.node, False, now + claim.pending_ttl_ms * 1000
             )
         tenant.tats = new_tats
@@ -3026,6 +3043,21 @@ def cmd_self_test() -> int:
     store.hit(Hit((), claim))
     clock[0] += 1_000
     check(store.sweep() == 1 and not store.holds_claim("t0", "s", "k"), "expired claims are swept")
+
+    capped = LocalStore(max_tenant_claims=2, clock=lambda: clock[0])
+    for key in ("a", "b"):
+        capped.hit(Hit((), Claim("t", "s", key, "h1", "e", 60_000, 60_000)))
+    capped.settle(Settle(Claim("t", "s", "a", "h1", "e", 60_000, 60_000), COMMIT))
+    check(
+        capped.hit(Hit((), Claim("t", "s", "c", "h1", "e", 1, 1))) == Pending(_CLAIMS_FULL_RETRY_MS)
+        and not capped.holds_claim("t", "s", "c"),
+        "a tenant at its claim cap is told pending for a new key, and nothing is claimed",
+    )
+    check(
+        capped.hit(Hit((), Claim("t", "s", "a", "h2", "e", 1, 1))) == Duplicate("h1")
+        and capped.hit(Hit((), Claim("u", "s", "c", "h1", "e", 1, 1))) == HitOk(),
+        "a key held at the cap is answered as always, and another tenant has its own room",
+    )
 
     # One busy tenant, a claim of 1 ms a millisecond: swept as it goes.
     busy = LocalStore(clock=lambda: clock[0])
