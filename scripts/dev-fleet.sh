@@ -93,8 +93,9 @@ fail_with_log() {
 }
 
 # Stops what the pid files name: nodes first (SIGTERM: they hand their shards back
-# and leave), then nats-server. Bounded: SIGKILL after 20 s, past the node's own
-# bound on leaving (15 s with the default lease TTL).
+# and leave), then nats-server. Bounded: SIGKILL after 25 s, past the node's own
+# bound on stopping (20 s with the default lease TTL: the round under way, one
+# TTL, then the leave, three TTLs and at least 10 s).
 stop_fleet() {
   local any=0 pid name waited
   for name in $(ls "$RUN" 2>/dev/null | sed -n 's/^\(node-[0-9]*\)\.pid$/\1/p'); do
@@ -106,12 +107,12 @@ stop_fleet() {
   for name in $(ls "$RUN" 2>/dev/null | sed -n 's/^\(node-[0-9]*\)\.pid$/\1/p'); do
     if pid=$(live_pid "$name" ankusa-node); then
       waited=0
-      while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt 200 ]; do
+      while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt 250 ]; do
         sleep 0.1
         waited=$((waited + 1))
       done
       if kill -0 "$pid" 2>/dev/null; then
-        say "$name did not exit within 20 s of SIGTERM; killing it"
+        say "$name did not exit within 25 s of SIGTERM; killing it"
         kill -KILL "$pid" 2>/dev/null || true
       fi
     fi

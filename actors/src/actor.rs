@@ -230,7 +230,7 @@ pub struct TenantGauges {
 }
 
 /// The claims one tenant may hold at a node unless configured otherwise: about
-/// 2 GB of a node's memory (some 200 bytes a claim), and a day's claims of a
+/// 2 to 3 GB of a node's memory (200 to 300 bytes a claim), and a day's claims of a
 /// tenant taking over a hundred hooks a second.
 pub const DEFAULT_MAX_TENANT_CLAIMS: usize = 10_000_000;
 

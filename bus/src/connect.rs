@@ -77,6 +77,14 @@ pub enum ConnectError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("`{setting}` {path}: {source}")]
+    TlsFile {
+        setting: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("one way to authenticate, not {0}: user and password, token, nkey_seed or creds_file")]
+    SeveralAuthMethods(String),
     #[error("inbox prefix `{0}`: one or more dot-separated tokens of printable characters, without `*` or `>`")]
     BadInboxPrefix(String),
     #[error("NATS client: {0}")]
@@ -112,11 +120,38 @@ impl NatsOptions {
         if self.tls_cert.is_some() != self.tls_key.is_some() {
             return Err(ConnectError::HalfClientCert);
         }
+        let methods: Vec<&str> = [
+            (self.user.is_some(), "user and password"),
+            (self.token.is_some(), "token"),
+            (self.nkey_seed.is_some(), "nkey_seed"),
+            (self.creds_file.is_some(), "creds_file"),
+        ]
+        .into_iter()
+        .filter_map(|(set, name)| set.then_some(name))
+        .collect();
+        if methods.len() > 1 {
+            return Err(ConnectError::SeveralAuthMethods(methods.join(", ")));
+        }
         if let Some(path) = &self.creds_file {
             std::fs::File::open(path).map_err(|source| ConnectError::CredsFile {
                 path: path.clone(),
                 source,
             })?;
+        }
+        // The client reads these only when it connects, and says why it could
+        // not at debug level only: a typo would leave the process retrying.
+        for (setting, path) in [
+            ("tls_ca", &self.tls_ca),
+            ("tls_cert", &self.tls_cert),
+            ("tls_key", &self.tls_key),
+        ] {
+            if let Some(path) = path {
+                std::fs::File::open(path).map_err(|source| ConnectError::TlsFile {
+                    setting,
+                    path: path.clone(),
+                    source,
+                })?;
+            }
         }
         match &self.inbox_prefix {
             Some(prefix) if !is_subject_prefix(prefix) => {
@@ -285,7 +320,47 @@ pub async fn connection_ended(client: &async_nats::Client) {
 
 #[cfg(test)]
 mod tests {
-    use super::is_subject_prefix;
+    use super::{is_subject_prefix, ConnectError, NatsOptions};
+
+    #[test]
+    fn settings_that_could_never_connect_are_refused_before_connecting() {
+        let missing = std::path::PathBuf::from("/nonexistent/ankusa/ca.pem");
+        let tls = NatsOptions {
+            tls_ca: Some(missing.clone()),
+            ..NatsOptions::default()
+        };
+        assert!(matches!(
+            tls.validate(),
+            Err(ConnectError::TlsFile { setting: "tls_ca", path, .. }) if path == missing
+        ));
+        let cert_and_key = NatsOptions {
+            tls_cert: Some(missing.clone()),
+            tls_key: Some(missing.clone()),
+            ..NatsOptions::default()
+        };
+        assert!(matches!(
+            cert_and_key.validate(),
+            Err(ConnectError::TlsFile {
+                setting: "tls_cert",
+                ..
+            })
+        ));
+        let two_ways = NatsOptions {
+            token: Some("t".into()),
+            nkey_seed: Some("SU".into()),
+            ..NatsOptions::default()
+        };
+        assert!(matches!(
+            two_ways.validate(),
+            Err(ConnectError::SeveralAuthMethods(which)) if which == "token, nkey_seed"
+        ));
+        let one_way = NatsOptions {
+            user: Some("u".into()),
+            password: Some("p".into()),
+            ..NatsOptions::default()
+        };
+        assert!(one_way.validate().is_ok());
+    }
 
     #[test]
     fn an_inbox_prefix_is_a_literal_subject() {

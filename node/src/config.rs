@@ -18,6 +18,8 @@ const MAX_WORKER_THREADS: usize = 1024;
 const MIN_KV_WAIT_MS: u64 = 250;
 /// The shortest renewal period.
 const MIN_RENEW_MS: u64 = 100;
+/// The least `lease_margin_ms`: the fence must leave some room.
+const MIN_LEASE_MARGIN_MS: u64 = 100;
 
 /// How a node decides which shards it serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
@@ -413,6 +415,15 @@ impl NodeConfig {
                 ),
             ));
         }
+        if self.lease_margin_ms < MIN_LEASE_MARGIN_MS {
+            return Err(invalid(
+                "lease_margin_ms",
+                format!(
+                    "{} is below {MIN_LEASE_MARGIN_MS}: the fence that keeps a paused node from answering for a shard another has taken needs room for the node's and the server's clocks to run at slightly different rates",
+                    self.lease_margin_ms
+                ),
+            ));
+        }
         // Saturating: a huge value must fail here, not wrap into a small one.
         if self.lease_margin_ms.saturating_add(self.lease_renew_ms) >= self.lease_ttl_ms {
             return Err(invalid(
@@ -446,9 +457,9 @@ impl NodeConfig {
                 ),
             ));
         }
-        if self.write_behind_ms == 0 || self.sweep_every_ms == 0 {
+        if self.write_behind_ms == 0 || self.sweep_every_ms == 0 || self.idle_after_ms == 0 {
             return Err(invalid(
-                "write_behind_ms/sweep_every_ms",
+                "write_behind_ms/sweep_every_ms/idle_after_ms",
                 "periods must be above 0",
             ));
         }
@@ -607,6 +618,21 @@ mod tests {
             ..Default::default()
         });
         assert!(margin.contains("must be below the lease TTL"), "{margin}");
+        let no_fence = bad(Overrides {
+            lease_margin_ms: Some(0),
+            ..Default::default()
+        });
+        assert!(no_fence.contains("lease_margin_ms"), "{no_fence}");
+        let no_idle = bad(Overrides {
+            idle_after_ms: Some(0),
+            ..Default::default()
+        });
+        assert!(no_idle.contains("idle_after_ms"), "{no_idle}");
+        let no_claims = bad(Overrides {
+            max_tenant_claims: Some(0),
+            ..Default::default()
+        });
+        assert!(no_claims.contains("max_tenant_claims"), "{no_claims}");
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("node.toml");
         std::fs::write(&path, "shardz = 3\n").unwrap();
