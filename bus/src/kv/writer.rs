@@ -77,6 +77,9 @@ impl Waiter {
 struct Submitted {
     changes: Vec<(u32, EncodedChange)>,
     done: Done,
+    /// The most changes the queues may hold with these in: a request's claims
+    /// may fill them, written-behind TATs only [`BUCKETS_ROOM`] of them.
+    room: usize,
 }
 
 /// Submissions queued for the commit loop before their tenants wait, and log
@@ -158,14 +161,23 @@ impl KvWriter {
         self.node_log.swap(on, Ordering::Relaxed)
     }
 
-    /// Hands changes to the commit loop; returns once all are in JetStream.
-    async fn submit(&self, changes: Vec<(u32, EncodedChange)>) -> Result<(), PersistError> {
+    /// Hands changes to the commit loop, if the queues have `room` for them;
+    /// returns once all are in JetStream.
+    async fn submit(
+        &self,
+        changes: Vec<(u32, EncodedChange)>,
+        room: usize,
+    ) -> Result<(), PersistError> {
         if changes.is_empty() {
             return Ok(());
         }
         let (done, ack) = Waiter::new(changes.len());
         self.tx
-            .send(Submitted { changes, done })
+            .send(Submitted {
+                changes,
+                done,
+                room,
+            })
             .await
             .map_err(|_| PersistError::Stopped)?;
         ack.await.map_err(|_| PersistError::Stopped)?
@@ -209,7 +221,7 @@ impl KvWriter {
                 }
             }
         }
-        self.submit(claims).await
+        self.submit(claims, MAX_QUEUED_CHANGES).await
     }
 
     /// Stops writing the buckets of `shards`, which this node no longer
@@ -282,7 +294,7 @@ impl KvWriter {
                 .then(|| EncodedChange::buckets(*shard, tenant, &buckets, now_us));
             async move {
                 match change {
-                    Some(change) => self.submit(vec![(*shard, change)]).await,
+                    Some(change) => self.submit(vec![(*shard, change)], BUCKETS_ROOM).await,
                     None => Ok(()),
                 }
             }
@@ -354,6 +366,12 @@ const LOG_MESSAGES_IN_FLIGHT: usize = 2;
 /// requests waiting on them.
 const MAX_QUEUED_CHANGES: usize = 100_000;
 
+/// How full the queues may be for a written-behind TAT to join them: the rest
+/// is kept for claims, which requests wait on. Past it a tenant's TATs stay
+/// dirty for the next flush, so a server slow to acknowledge fills the queues
+/// with claims, not with the bucket records of every tenant that moved.
+const BUCKETS_ROOM: usize = MAX_QUEUED_CHANGES / 2;
+
 #[derive(Default)]
 struct ClaimLog {
     queue: Vec<(EncodedChange, Done)>,
@@ -386,15 +404,17 @@ impl ClaimLogs {
 
     /// Queues `changes` on their logs (the node log, or each shard's group
     /// log) and returns the logs that got some; refuses them all, unqueued,
-    /// when they would take the queues past [`MAX_QUEUED_CHANGES`].
+    /// when they would take the queues past `room` (at most
+    /// [`MAX_QUEUED_CHANGES`]).
     fn queue(
         &mut self,
         changes: Vec<(u32, EncodedChange)>,
         done: &Done,
         node_log: bool,
+        room: usize,
         touched: &mut Vec<LogId>,
     ) -> Result<(), PersistError> {
-        if self.queued + changes.len() > MAX_QUEUED_CHANGES {
+        if self.queued + changes.len() > room.min(MAX_QUEUED_CHANGES) {
             return Err(PersistError::Backlog {
                 queued: self.queued,
             });
@@ -500,13 +520,24 @@ async fn commit_loop(
                 let mut next = Some(first);
                 let mut yields = 0;
                 loop {
-                    while let Some(Submitted { changes, done }) = next.take() {
+                    while let Some(Submitted {
+                        changes,
+                        done,
+                        room,
+                    }) = next.take()
+                    {
                         // Switching logs midway is safe: the replay does not
                         // depend on the order of two messages in flight at once.
                         let node_log = node_log.load(Ordering::Relaxed);
                         let count = changes.len();
-                        if let Err(refused) = logs.queue(changes, &done, node_log, &mut ready) {
-                            metrics::counter!("ankusa_kv_backlog_refusals_total").increment(1);
+                        if let Err(refused) =
+                            logs.queue(changes, &done, node_log, room, &mut ready)
+                        {
+                            // Requests refused; deferred TATs are not counted.
+                            if room == MAX_QUEUED_CHANGES {
+                                metrics::counter!("ankusa_kv_backlog_refusals_total")
+                                    .increment(1);
+                            }
                             for _ in 0..count {
                                 done.settle(&Err(refused.clone()));
                             }
@@ -657,6 +688,14 @@ mod tests {
 
     /// Queues `n` one-byte changes on the node log, as one submission.
     fn queue_changes(logs: &mut ClaimLogs, n: usize) -> Result<(), PersistError> {
+        queue_changes_within(logs, n, MAX_QUEUED_CHANGES)
+    }
+
+    fn queue_changes_within(
+        logs: &mut ClaimLogs,
+        n: usize,
+        room: usize,
+    ) -> Result<(), PersistError> {
         let changes = (0..n)
             .map(|_| {
                 let change = EncodedChange {
@@ -668,7 +707,7 @@ mod tests {
             .collect();
         let (done, _) = Waiter::new(n);
         let mut touched = Vec::new();
-        logs.queue(changes, &done, true, &mut touched)?;
+        logs.queue(changes, &done, true, room, &mut touched)?;
         assert_eq!(touched, [LogId::Node]);
         Ok(())
     }
@@ -689,5 +728,19 @@ mod tests {
         let (_, sent) = logs.next_message(LogId::Node).expect("a message leaves");
         assert_eq!(logs.queued, MAX_QUEUED_CHANGES - sent.len());
         queue_changes(&mut logs, sent.len()).expect("room again");
+    }
+
+    #[test]
+    fn written_behind_tats_leave_the_fuller_half_of_the_queues_to_claims() {
+        let mut logs = ClaimLogs::new("state".into(), Arc::new(SystemClock));
+        queue_changes_within(&mut logs, BUCKETS_ROOM, BUCKETS_ROOM).expect("TATs up to half");
+        assert_eq!(
+            queue_changes_within(&mut logs, 1, BUCKETS_ROOM),
+            Err(PersistError::Backlog {
+                queued: BUCKETS_ROOM
+            }),
+            "no TAT past half"
+        );
+        queue_changes(&mut logs, MAX_QUEUED_CHANGES - BUCKETS_ROOM).expect("claims fill the rest");
     }
 }
