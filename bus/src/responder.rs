@@ -809,7 +809,9 @@ fn refused(why: Refused) -> ReplyBody {
     ReplyBody::Error(match why {
         Refused::Invalid(invalid) => ErrorReply::invalid(invalid),
         Refused::DeadlineExpired => ErrorReply::new(ErrorCode::DeadlineExpired, why.to_string()),
-        Refused::Overloaded { .. } | Refused::ClaimsFull(_) => {
+        Refused::Overloaded { .. } => ErrorReply::new(ErrorCode::Overloaded, why.to_string()),
+        Refused::ClaimsFull(_) => {
+            metrics::counter!("ankusa_tenant_claims_full_total").increment(1);
             ErrorReply::new(ErrorCode::Overloaded, why.to_string())
         }
         Refused::Unavailable => ErrorReply::new(ErrorCode::Unavailable, why.to_string()),

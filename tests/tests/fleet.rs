@@ -1822,6 +1822,11 @@ async fn a_tenant_at_its_claim_cap_is_refused_new_keys_and_still_told_duplicates
     };
     refused_new_key(&store).await;
     assert_eq!(
+        first.metric("ankusa_tenant_claims_full_total").await,
+        Some(1.0),
+        "the refusal is told apart from a full queue"
+    );
+    assert_eq!(
         store.hit(hit("full", "k0", "h2"), T).await,
         Ok(HitOutcome::Duplicate {
             hook_id: "h1".into()
