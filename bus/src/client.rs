@@ -19,6 +19,18 @@
 //!   where to batch. Until it knows, it batches per shard. An item the node no
 //!   longer serves comes back `wrong_node`, unapplied, and is sent again to its
 //!   shard's subject; a node that stops answering is forgotten for every shard.
+//! - A request holds its place among those in flight until it comes back or
+//!   the earliest deadline of its calls passes, whichever is first: past it, the
+//!   node has let a caller down and may be gone (paused, crashed), so it is
+//!   forgotten and the place goes to the next batch, while the other calls
+//!   wait on for the reply up to their own deadlines. A call given up while
+//!   still queued does the same for the requests it waited behind (a lone
+//!   call with a long budget keeps its place): the node is forgotten and the
+//!   queue may leave without a return. So one long budget never stalls a
+//!   lane for the shorter calls behind it. A request retrying "no
+//!   responders" gives its place back at the first one: the node it was
+//!   routed by does not serve the shard (forgotten for it), and the node's
+//!   other shards need not wait out the retries.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -61,7 +73,9 @@ pub struct FleetConfig {
     /// With batching: most requests in flight at once to one node (or, until
     /// its node is known, to one shard). Beyond the first, only full batches
     /// leave early: they let the node work on the next batch while the last
-    /// one waits for its claims' KV write.
+    /// one waits for its claims' KV write. A request counts until it comes
+    /// back, the earliest deadline of its calls passes, or its shard's
+    /// subject has no responders.
     pub max_in_flight: usize,
 }
 
@@ -108,11 +122,28 @@ struct Queued {
     reply: oneshot::Sender<Result<ReplyBody, StoreError>>,
 }
 
+impl Queued {
+    /// The call, unless its caller is gone (dropped) or its deadline has
+    /// passed (answered `Timeout`).
+    fn live(self, now: Instant) -> Option<Self> {
+        if self.reply.is_closed() {
+            return None;
+        }
+        if self.deadline <= now {
+            let _ = self.reply.send(Err(StoreError::Timeout(Duration::ZERO)));
+            return None;
+        }
+        Some(self)
+    }
+}
+
 /// Per lane: how many requests are in flight, and who waits to go next.
 #[derive(Default)]
 struct Lane {
     in_flight: usize,
     queue: VecDeque<Queued>,
+    /// How many calls the queue's last sweep left in it ([`Lane::join`]).
+    swept: usize,
 }
 
 impl Lane {
@@ -126,9 +157,27 @@ impl Lane {
         idle
     }
 
+    /// Queues a call for its batch. While the lane has no room, nothing leaves
+    /// the queue, and calls whose callers gave up would pile up in it: so it
+    /// is swept of them whenever it has doubled since its last sweep, which
+    /// bounds it by twice the live calls that sweep found and costs each call
+    /// a constant share, however long the queue.
+    fn join(&mut self, call: Queued, now: Instant) {
+        self.queue.push_back(call);
+        if self.queue.len() > 2 * self.swept {
+            for _ in 0..self.queue.len() {
+                if let Some(q) = self.queue.pop_front().and_then(|q| q.live(now)) {
+                    self.queue.push_back(q);
+                }
+            }
+            self.swept = self.queue.len();
+        }
+    }
+
     /// The next batch to send (up to `max_batch` calls, oldest first), with its
     /// room taken: if there is room, and the batch is full or `partial` ones
-    /// may leave (a request just came back). On the way, calls whose caller is
+    /// may leave (a request just came back or gave its room up, or a queued
+    /// call was given up). On the way, calls whose caller is
     /// gone are dropped and those past their deadline answered `Timeout`.
     ///
     /// Costs what it takes, not the queue's length: it runs for every call
@@ -149,14 +198,9 @@ impl Lane {
             let Some(q) = self.queue.pop_front() else {
                 break;
             };
-            if q.reply.is_closed() {
-                continue;
+            if let Some(q) = q.live(now) {
+                batch.push(q);
             }
-            if q.deadline <= now {
-                let _ = q.reply.send(Err(StoreError::Timeout(Duration::ZERO)));
-                continue;
-            }
-            batch.push(q);
         }
         if batch.is_empty() {
             return None;
@@ -323,7 +367,7 @@ impl FleetStore {
             if batchable {
                 self.inner.clone().call_batched(shard, op, alarm).await
             } else {
-                self.inner.send(shard, op, alarm).await
+                self.inner.send(shard, op, alarm, None).await
             }
         };
         match tokio::time::timeout_at(alarm, work).await {
@@ -369,25 +413,36 @@ fn budget_ms_at(deadline: Instant, now: Instant) -> u64 {
 }
 
 impl Inner {
-    /// One request on the wire, retried while no node serves the shard.
-    async fn send(&self, shard: usize, op: Op, deadline: Instant) -> Result<ReplyBody, StoreError> {
+    /// One request on the wire, retried while no node serves the shard; it
+    /// holds `room` (its lane's place) up to the first "no responders".
+    async fn send(
+        &self,
+        shard: usize,
+        op: Op,
+        deadline: Instant,
+        room: Option<&LaneHandoff>,
+    ) -> Result<ReplyBody, StoreError> {
         if budget_ms(deadline) == 0 {
             // A budget of 0 would be refused as expired (§5.1): the caller's
             // timeout, told here.
             return Err(StoreError::Timeout(Duration::ZERO));
         }
         let encode = || Request::encode_op(budget_ms(deadline), &op);
-        self.send_request(shard, deadline, encode(), encode).await
+        self.send_request(shard, deadline, encode(), encode, room)
+            .await
     }
 
     /// Sends `payload` to the shard's subject; a resend after "no responders"
-    /// is written again by `encode`, with the budget left then.
+    /// is written again by `encode`, with the budget left then. The first "no
+    /// responders" gives `room` back ([`LaneHandoff::unserved`]): the retries
+    /// go outside the lane.
     async fn send_request(
         &self,
         shard: usize,
         deadline: Instant,
         mut payload: Vec<u8>,
         encode: impl Fn() -> Vec<u8>,
+        mut room: Option<&LaneHandoff>,
     ) -> Result<ReplyBody, StoreError> {
         let mut pause = FIRST_RETRY;
         loop {
@@ -400,6 +455,9 @@ impl Inner {
                     return Ok(reply.body);
                 }
                 Err(StoreError::NoResponders) => {
+                    if let Some(room) = room.take() {
+                        room.unserved(shard);
+                    }
                     // A retry keeps time for its own round trip: one squeezed into
                     // the budget's last moment would time out, and the caller would
                     // hear "timeout" where "no responders" was what was known.
@@ -536,12 +594,13 @@ impl Inner {
                 Ok(op)
             } else {
                 let (reply, rx) = oneshot::channel();
-                lane.queue.push_back(Queued {
+                let call = Queued {
                     shard,
                     op,
                     deadline,
                     reply,
-                });
+                };
+                lane.join(call, Instant::now());
                 Err(rx)
             }
         };
@@ -549,24 +608,30 @@ impl Inner {
             Ok(op) => op,
             Err(rx) => {
                 self.pump(&route, false);
-                return rx
+                let mut waiting = QueuedWait {
+                    inner: &self,
+                    route: &route,
+                    deadline,
+                    answered: false,
+                };
+                let answer = rx
                     .await
                     .unwrap_or_else(|_| Err(StoreError::Transport("batch dropped".into())));
+                waiting.answered = true;
+                return answer;
             }
         };
         // Whatever happens to this call, its room must be handed on.
-        let lane_guard = LaneHandoff {
-            inner: self.clone(),
-            route,
-        };
-        let result = self.send(shard, op, deadline).await;
-        drop(lane_guard);
+        let room = LaneHandoff::new(self.clone(), route);
+        let result = self.send(shard, op, deadline, Some(&room)).await;
+        drop(room);
         result
     }
 
     /// Sends the lane's queue, batch by batch, while the lane has room: after
-    /// a request came back (`returned`), whatever waits; otherwise full
-    /// batches only. Each batch hands its room on when it ends.
+    /// a request came back or gave its room up, or a queued call was given up
+    /// (`returned`), whatever waits; otherwise full batches only. Each batch
+    /// hands its room on when it ends, or before (see [`Inner::send_batch`]).
     fn pump(self: &Arc<Self>, route: &Route, returned: bool) {
         let mut partial = returned;
         loop {
@@ -579,14 +644,11 @@ impl Inner {
                 return;
             };
             partial = false;
-            let handoff = LaneHandoff {
-                inner: self.clone(),
-                route: route.clone(),
-            };
+            let handoff = LaneHandoff::new(self.clone(), route.clone());
             tokio::spawn(async move {
                 handoff
                     .inner
-                    .send_batch(handoff.route.node.as_ref(), batch)
+                    .send_batch(handoff.route.node.as_ref(), batch, &handoff)
                     .await;
                 // The callers just answered often call again at once (a hit's
                 // settle): they queue before the room is handed on, and leave
@@ -600,8 +662,15 @@ impl Inner {
     }
 
     /// Sends `batch` to `node`'s subject, or to its first call's shard subject
-    /// when the node is not known (every call is then for that shard).
-    async fn send_batch(self: &Arc<Self>, node: Option<&NodeTarget>, mut batch: Vec<Queued>) {
+    /// when the node is not known (every call is then for that shard). The
+    /// batch holds `room`, its lane's place, until its reply or the earliest
+    /// deadline of its calls, whichever is first.
+    async fn send_batch(
+        self: &Arc<Self>,
+        node: Option<&NodeTarget>,
+        mut batch: Vec<Queued>,
+        room: &LaneHandoff,
+    ) {
         if node.is_some() && !self.node_batches() {
             // Node subjects were refused since this batch queued for one.
             batch.into_iter().for_each(|q| self.resend(q));
@@ -623,16 +692,14 @@ impl Inner {
         }
         if batch.len() == 1 {
             if let Some(q) = batch.pop() {
-                let result = self.send(q.shard, q.op, q.deadline).await;
+                let result = self.send(q.shard, q.op, q.deadline, Some(room)).await;
                 let _ = q.reply.send(result);
             }
             return;
         }
-        let deadline = batch
-            .iter()
-            .map(|q| q.deadline)
-            .max()
-            .unwrap_or_else(Instant::now);
+        let deadlines = batch.iter().map(|q| q.deadline);
+        let first = deadlines.clone().min().unwrap_or_else(Instant::now);
+        let deadline = deadlines.max().unwrap_or_else(Instant::now);
         // Each call keeps its own operation, to be sent again alone if the
         // node turns it away.
         let encode = || {
@@ -644,19 +711,38 @@ impl Inner {
             // Too large for one message: two halves, each as small as it needs.
             let second = batch.split_off(batch.len() / 2);
             futures::join!(
-                Box::pin(self.send_batch(node, batch)),
-                Box::pin(self.send_batch(node, second))
+                Box::pin(self.send_batch(node, batch, room)),
+                Box::pin(self.send_batch(node, second, room))
             );
             return;
         }
-        let result = match node {
-            Some(node) => self
-                .send_once(&node.subject, payload.into(), deadline)
-                .await
-                .map(|reply| reply.body),
-            None => {
-                self.send_request(batch[0].shard, deadline, payload, encode)
-                    .await
+        let result = {
+            let request = async {
+                match node {
+                    Some(node) => self
+                        .send_once(&node.subject, payload.into(), deadline)
+                        .await
+                        .map(|reply| reply.body),
+                    None => {
+                        self.send_request(batch[0].shard, deadline, payload, encode, Some(room))
+                            .await
+                    }
+                }
+            };
+            let mut request = std::pin::pin!(request);
+            match tokio::time::timeout_at(first, request.as_mut()).await {
+                Ok(result) => result,
+                Err(_) => {
+                    // The first caller has heard `Timeout`: a node that has
+                    // answered nothing by then may be gone, and the lane must
+                    // not wait for the batch's longest budget to send anything
+                    // else. The other calls wait on, each to its own deadline.
+                    if let Some(node) = node {
+                        self.forget(&node.name, None);
+                    }
+                    room.release();
+                    request.await
+                }
             }
         };
         match result {
@@ -710,23 +796,80 @@ impl Inner {
         }
         let inner = self.clone();
         tokio::spawn(async move {
-            let result = inner.send(q.shard, q.op, q.deadline).await;
+            let result = inner.send(q.shard, q.op, q.deadline, None).await;
             let _ = q.reply.send(result);
         });
     }
 }
 
 /// Gives a lane's room back, and sends its queue, when the request that held
-/// the room ends, even if that request was cancelled by its deadline.
+/// the room ends, even if that request was cancelled by its deadline, or
+/// before, once it no longer needs the room ([`LaneHandoff::release`]).
 struct LaneHandoff {
     inner: Arc<Inner>,
     route: Route,
+    released: AtomicBool,
+}
+
+impl LaneHandoff {
+    fn new(inner: Arc<Inner>, route: Route) -> Self {
+        Self {
+            inner,
+            route,
+            released: AtomicBool::new(false),
+        }
+    }
+
+    /// Hands the room on now; it is handed on once, whoever calls first.
+    fn release(&self) {
+        if !self.released.swap(true, Ordering::Relaxed) {
+            lock(&self.route.lane).finished();
+            self.inner.pump(&self.route, true);
+        }
+    }
+
+    /// No node serves `shard` right now (its subject had no responders): the
+    /// node this lane sends to is forgotten for it, and the room is handed on
+    /// while the call retries, so that the calls for the node's other shards
+    /// do not wait out this one's budget behind it.
+    fn unserved(&self, shard: usize) {
+        if let Some(node) = &self.route.node {
+            self.inner.forget(&node.name, Some(shard));
+        }
+        self.release();
+    }
 }
 
 impl Drop for LaneHandoff {
     fn drop(&mut self) {
-        lock(&self.route.lane).finished();
-        self.inner.pump(&self.route, true);
+        self.release();
+    }
+}
+
+/// A queued call's wait for its answer. Given up unanswered at its deadline
+/// (in the queue, or in a batch still out), it has shown that waiting for
+/// the lane's requests to come back lets callers down: one of them (a lone
+/// call with a long budget, say) may be held by a node that stopped
+/// answering. So the node is forgotten, and the next calls go to their
+/// shards' subjects, which find whoever serves them now; and the queue may
+/// leave without a return, while the lane has room.
+struct QueuedWait<'a> {
+    inner: &'a Arc<Inner>,
+    route: &'a Route,
+    deadline: Instant,
+    answered: bool,
+}
+
+impl Drop for QueuedWait<'_> {
+    fn drop(&mut self) {
+        // A caller that left earlier (for reasons of its own) says nothing
+        // of the node.
+        if !self.answered && Instant::now() >= self.deadline {
+            if let Some(node) = &self.route.node {
+                self.inner.forget(&node.name, None);
+            }
+            self.inner.pump(self.route, true);
+        }
     }
 }
 
@@ -884,6 +1027,52 @@ mod tests {
         assert!(lane.next_batch(now, 1, 64, true).is_none());
         assert_eq!(lane.queue.len(), 100);
         assert!(expired.iter_mut().all(|rx| rx.try_recv().is_err()));
+    }
+
+    #[test]
+    fn a_queue_without_room_is_swept_of_the_calls_given_up() {
+        // A lane whose request never comes back: calls keep joining its
+        // queue, and their callers give up (or their deadlines pass).
+        let now = Instant::now();
+        let later = now + Duration::from_secs(1);
+        let mut lane = Lane::default();
+        assert!(lane.go_alone());
+        let mut join = |tenant: &str, deadline| {
+            let (reply, rx) = oneshot::channel();
+            let op = Op::Reset {
+                tenant: tenant.into(),
+            };
+            lane.join(
+                Queued {
+                    shard: 0,
+                    op,
+                    deadline,
+                    reply,
+                },
+                now,
+            );
+            rx
+        };
+        let _first = join("first", later);
+        let mut expired: Vec<_> = (0..1000).map(|i| join(&format!("e{i}"), now)).collect();
+        for i in 0..1000 {
+            drop(join(&format!("g{i}"), later));
+        }
+        let _last = join("last", later);
+        assert!(lane.queue.len() <= 4, "{} queued", lane.queue.len());
+        assert_eq!(tenants(lane.queue.make_contiguous())[0], "first");
+        assert_eq!(
+            tenants(lane.queue.make_contiguous())
+                .last()
+                .map(String::as_str),
+            Some("last")
+        );
+        let timeouts = expired
+            .iter_mut()
+            .map(|rx| rx.try_recv())
+            .filter(|answer| matches!(answer, Ok(Err(StoreError::Timeout(_)))))
+            .count();
+        assert_eq!(timeouts, 1000, "every expired call was answered");
     }
 
     #[test]

@@ -135,6 +135,9 @@ mod tests {
         // never reads as ready either way.
         assert!(health.readiness().is_err());
         health.round_done(Duration::from_secs(60));
-        assert!(health.liveness().is_ok(), "a finished round makes it live again");
+        assert!(
+            health.liveness().is_ok(),
+            "a finished round makes it live again"
+        );
     }
 }

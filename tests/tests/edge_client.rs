@@ -524,3 +524,84 @@ async fn calls_without_a_reply_leave_nothing_behind() {
     );
     assert_eq!(store.awaiting_replies(), 0);
 }
+
+/// A node stops (SIGSTOP) with every request its edge may have in flight to
+/// it: a lone call and a batch of a long call and a short one. Once the
+/// short call's deadline passes, the batch gives its place back: the next
+/// batch, queued behind them, leaves (and, the node having crashed meanwhile,
+/// finds the node that took the shards over) instead of waiting in the lane
+/// behind the long call for its whole budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_to_a_stopped_node_holds_its_place_no_longer_than_its_first_deadline() {
+    let (nats, mut stopped) = standalone_pair("stopped").await;
+    let mut config = config(&nats.url(), true);
+    // Two calls fill a batch, and two requests fill the lane: a full batch
+    // leaves as soon as there is room, without waiting for a return.
+    config.max_batch = 2;
+    config.max_in_flight = 2;
+    let store = connected_edge(config).await;
+    // A lone call's reply names the node: the edge batches to it from now on.
+    assert_eq!(
+        store.hit(hit("acme", "learn", "h"), T).await,
+        Ok(HitOutcome::Ok)
+    );
+    stopped.process().pause().expect("the node stops");
+
+    // The lone call takes the idle lane, the batch of the long and the short
+    // call the second place, and the next batch queues: each call is queued
+    // by its first poll. The long budget is never waited for.
+    let long = Duration::from_secs(60);
+    let short = Duration::from_secs(3);
+    let next = Duration::from_secs(15);
+    let lone = {
+        let store = store.clone();
+        tokio::spawn(async move { store.hit(hit("acme", "lone", "h"), long).await })
+    };
+    let sent = wait_until(Duration::from_secs(10), || async {
+        store.awaiting_replies() == 1
+    })
+    .await;
+    assert!(sent.is_ok(), "the lone call never went out");
+    let mut long_call = Box::pin(store.hit(hit("acme", "long", "h"), long));
+    let mut short_call = Box::pin(store.hit(hit("acme", "short", "h"), short));
+    let mut queued = Box::pin(futures::future::join(
+        store.hit(hit("acme", "next-1", "h"), next),
+        store.hit(hit("acme", "next-2", "h"), next),
+    ));
+    assert!(futures::poll!(&mut long_call).is_pending());
+    assert!(futures::poll!(&mut short_call).is_pending());
+    assert!(futures::poll!(&mut queued).is_pending());
+    let sent = wait_until(Duration::from_secs(10), || async {
+        store.awaiting_replies() == 2
+    })
+    .await;
+    assert!(sent.is_ok(), "the batch never went out");
+    // A request is counted before it is published: let the batch reach the
+    // server (and the stopped node's socket) before the node goes.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    store.nats().flush().await.expect("flushed");
+
+    // The stopped node crashes, and another takes its shards over.
+    stopped.kill().await.expect("the node is killed");
+    let taker =
+        NodeProcess::start(NodeSpec::standalone("taker", vec![nats.url()])).expect("node starts");
+    assert_eq!(short_call.await, Err(StoreError::Timeout(short)));
+    taker
+        .wait_ready(Duration::from_secs(20))
+        .await
+        .expect("node ready");
+    let (first, second) = tokio::time::timeout(next, &mut queued)
+        .await
+        .expect("the queued calls end by their deadline");
+    assert_eq!(
+        (first, second),
+        (Ok(HitOutcome::Ok), Ok(HitOutcome::Ok)),
+        "the queued batch waited behind the long call"
+    );
+    assert!(
+        !lone.is_finished(),
+        "the long calls wait on, to their own deadline"
+    );
+    lone.abort();
+    drop(long_call);
+}
