@@ -874,6 +874,11 @@ impl Drop for QueuedWait<'_> {
 }
 
 impl Store for FleetStore {
+    /// Less, and what is left of it at the alarm (`call`: two timer ticks
+    /// early, or a fifth of the budget) is under the millisecond a request's
+    /// `timeout_ms` counts in: the call is answered `Timeout` unsent.
+    const LEAST_BUDGET: Duration = Duration::from_micros(1_250);
+
     async fn hit(&self, req: HitRequest, timeout: Duration) -> Result<HitOutcome, StoreError> {
         if req.is_empty() {
             return Ok(HitOutcome::Ok);

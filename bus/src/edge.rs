@@ -406,7 +406,7 @@ impl<S: Store> Edge<S> {
     {
         // No time left for the fleet is the caller's budget, not the fleet's
         // failure: it is answered locally at once, and the breaker not told.
-        if budget.is_zero() {
+        if budget < S::LEAST_BUDGET || budget.is_zero() {
             return Fleet::Out(LocalReason::Timeout, None);
         }
         let permit = match self.breaker.admit(self.mono.now()) {

@@ -63,6 +63,12 @@ impl StoreError {
 
 /// A fleet store: the contract's `hit`, `settle` and `reset`, each bounded by `timeout`.
 pub trait Store: Send + Sync + 'static {
+    /// The least budget with which this store tries a call at all: one given
+    /// less is answered `Timeout` at once, unsent, which says nothing of the
+    /// store's health (the degrading edge answers it locally without telling
+    /// its breaker).
+    const LEAST_BUDGET: Duration = Duration::ZERO;
+
     fn hit(
         &self,
         req: HitRequest,

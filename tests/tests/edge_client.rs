@@ -605,3 +605,37 @@ async fn a_batch_to_a_stopped_node_holds_its_place_no_longer_than_its_first_dead
     lone.abort();
     drop(long_call);
 }
+
+/// A call whose budget is too short for the edge client to send (what is
+/// left of it at the client's alarm is under the protocol's millisecond) is
+/// the caller's to answer, not a sign of the fleet: the degrading edge
+/// answers it locally without telling its breaker, so a run of such calls
+/// does not send every other call local too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_too_short_to_send_do_not_open_the_breaker() {
+    let (nats, _node) = standalone_pair("short").await;
+    let store = connected(&nats.url()).await;
+    let edge = Edge::new(store, EdgeConfig::default());
+    for n in 0..20 {
+        let answer = edge
+            .hit(hit("acme", &format!("k{n}"), "h"), Duration::from_millis(1))
+            .await
+            .expect("a local answer");
+        assert_eq!(
+            answer.source,
+            Source::Local {
+                reason: LocalReason::Timeout
+            },
+            "call {n}"
+        );
+    }
+    assert_eq!(
+        edge.breaker().state(),
+        ankusa_bus::breaker::BreakerState::Closed
+    );
+    let served = edge
+        .hit(hit("acme", "roomy", "h"), T)
+        .await
+        .expect("answer");
+    assert_eq!(served.source, Source::Fleet, "the fleet still serves");
+}
