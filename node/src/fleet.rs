@@ -174,6 +174,7 @@ impl Fleet {
             incarnation: self.kv.incarnation(),
             shards: self.config.shards,
             serving: self.held.len() as u32,
+            ttl_ms: self.config.lease_ttl_ms,
         };
         // No longer than a renewal waits, so that the next round renews in time.
         let bound = renewal_wait(&self.config);

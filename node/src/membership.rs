@@ -127,16 +127,21 @@ impl View {
         self.caught_up = false;
     }
 
-    /// The heartbeats seen within `ttl` (a heartbeat lives that long), if the
-    /// view is current: caught up, and this node's own heartbeat seen within
-    /// `ttl` — a watch that stopped delivering would keep nodes that left.
+    /// The heartbeats seen within their lifetime (the writer's TTL, or `ttl`
+    /// for a writer of an earlier release that does not say), if the view is
+    /// current: caught up, and this node's own heartbeat seen within its
+    /// lifetime — a watch that stopped delivering would keep nodes that left.
     ///
-    /// Heartbeats older than `ttl` are forgotten here: a node whose last one
-    /// lapsed without a marker saying so (a bucket made by an earlier release)
-    /// is gone, and its next heartbeat, if it comes back, is a change.
+    /// Heartbeats past their lifetime are forgotten here: a node whose last
+    /// one lapsed without a marker saying so (a bucket made by an earlier
+    /// release) is gone, and its next heartbeat, if it comes back, is a change.
     fn live(&mut self, now: Instant, ttl: Duration) -> Option<Vec<Heartbeat>> {
-        let fresh = |at: &Instant| now.saturating_duration_since(*at) < ttl;
-        self.beats.retain(|_, (_, at)| fresh(at));
+        let lifetime = |beat: &Heartbeat| match beat.ttl_ms {
+            0 => ttl,
+            ms => Duration::from_millis(ms),
+        };
+        self.beats
+            .retain(|_, (beat, at)| now.saturating_duration_since(*at) < lifetime(beat));
         if !(self.caught_up && self.beats.contains_key(&self.me)) {
             return None;
         }
@@ -235,6 +240,7 @@ mod tests {
                 incarnation,
                 shards: 16,
                 serving: 0,
+                ttl_ms: 0,
             }),
             caught_up: true,
         }
@@ -270,6 +276,28 @@ mod tests {
         assert_eq!(nodes(&mut view, t0 + TTL * 3 / 2), Some(vec!["a".into()]));
         // Forgotten: `b` coming back is a change again.
         assert!(view.apply(beat("b"), t0 + TTL * 3 / 2));
+    }
+
+    #[test]
+    fn a_heartbeat_lives_by_its_writers_ttl_when_it_says() {
+        let t0 = Instant::now();
+        let mut view = View::new("a".into(), 1, 1, TTL);
+        view.apply(beat("a"), t0);
+        // `b` beats every 10 TTLs with a lifetime of 20: mid-way through a
+        // rolling change of the lease timings.
+        let mut slow = beat("b");
+        if let NodeChange::Beat(hb) = &mut slow.change {
+            hb.ttl_ms = u64::try_from((TTL * 20).as_millis()).expect("ms");
+        }
+        view.apply(slow, t0);
+        view.apply(beat("a"), t0 + TTL * 10);
+        assert_eq!(
+            nodes(&mut view, t0 + TTL * 10),
+            Some(vec!["a".into(), "b".into()]),
+            "live by its own lifetime, not this node's"
+        );
+        view.apply(beat("a"), t0 + TTL * 20);
+        assert_eq!(nodes(&mut view, t0 + TTL * 20), Some(vec!["a".into()]));
     }
 
     #[test]

@@ -1033,6 +1033,7 @@ async fn claims_go_to_the_node_log_only_once_every_live_node_reads_it() {
         incarnation: 0,
         shards: 0,
         serving: 0,
+        ttl_ms: 0,
     };
     kv.heartbeat(&earlier, Duration::from_secs(120))
         .await

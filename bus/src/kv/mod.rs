@@ -128,6 +128,12 @@ pub struct Heartbeat {
     /// A node that cannot load steps aside only while another serves.
     #[serde(default)]
     pub serving: u32,
+    /// The writer's `lease_ttl_ms`, this heartbeat's lifetime: the others
+    /// count the node live that long after it, whatever their own TTL, so
+    /// that nodes whose timings differ (a rolling change of them) agree on
+    /// who is live. 0 from earlier releases: read with the reader's own.
+    #[serde(default)]
+    pub ttl_ms: u64,
 }
 
 /// A change to the heartbeats, as a watch of them delivers it.
@@ -1114,6 +1120,7 @@ mod tests {
             incarnation: 7,
             shards: 64,
             serving: 3,
+            ttl_ms: 5_000,
         }
     }
 
@@ -1138,6 +1145,7 @@ mod tests {
                 incarnation: 0,
                 shards: 0,
                 serving: 0,
+                ttl_ms: 0,
                 ..beat("old", 0)
             }
         );
