@@ -19,6 +19,9 @@
 //!   where to batch. Until it knows, it batches per shard. An item the node no
 //!   longer serves comes back `wrong_node`, unapplied, and is sent again to its
 //!   shard's subject; a node that stops answering is forgotten for every shard.
+//!   A batch refused whole as `too_large`, `malformed` or
+//!   `unsupported_version` (a node of another release) was not applied
+//!   either: each of its calls is sent again alone.
 //! - A request holds its place among those in flight until it comes back or
 //!   the earliest deadline of its calls passes, whichever is first: past it, the
 //!   node has let a caller down and may be gone (paused, crashed), so it is
@@ -758,6 +761,18 @@ impl Inner {
                         }
                     }
                 }
+            }
+            // The node would not take the batch as a batch (a release with a
+            // smaller limit, or that does not read its form), and applied
+            // nothing: each call goes again alone, to be answered on its own.
+            Ok(ReplyBody::Error(err))
+                if matches!(
+                    err.code,
+                    ErrorCode::TooLarge | ErrorCode::Malformed | ErrorCode::UnsupportedVersion
+                ) =>
+            {
+                tracing::debug!(error = %err.message, code = %err.code, "batch refused whole; its calls go alone");
+                batch.into_iter().for_each(|q| self.resend(q));
             }
             Ok(ReplyBody::Error(err)) => {
                 for q in batch {

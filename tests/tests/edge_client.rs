@@ -405,9 +405,6 @@ async fn batches_of_the_largest_calls_are_split_to_fit_a_message() {
     }
 }
 
-/// Subscribes to every shard subject of the `test` instance and answers each
-/// request `ok` after `delay`, or never (`None`), until the returned task is
-/// aborted.
 /// A call tells the node the time its caller really waits: its alarm goes
 /// off 2 ms early (timers fire late), and its budget on the wire ends there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -439,6 +436,9 @@ async fn the_budget_sent_ends_when_the_caller_stops_waiting() {
     }
 }
 
+/// Subscribes to every shard subject of the `test` instance and answers each
+/// request `ok` after `delay`, or never (`None`), until the returned task is
+/// aborted.
 async fn shard_stand_in(url: &str, delay: Option<Duration>) -> tokio::task::JoinHandle<()> {
     let client = async_nats::connect(url).await.expect("connects");
     let subjects = Subjects::new("test").expect("valid instance");
@@ -638,4 +638,55 @@ async fn calls_too_short_to_send_do_not_open_the_breaker() {
         .await
         .expect("answer");
     assert_eq!(served.source, Source::Fleet, "the fleet still serves");
+}
+
+/// A node that will not take a batch as a batch (a release with smaller
+/// limits, or one that does not read the form) refuses it whole and applies
+/// nothing: the edge sends each of its calls again alone, and each is
+/// answered on its own instead of every caller hearing the batch's error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_refused_whole_sends_its_calls_alone() {
+    let nats = NatsServer::start().await.expect("nats-server starts");
+    let client = async_nats::connect(nats.url()).await.expect("connects");
+    let subject = Subjects::new("test")
+        .expect("valid instance")
+        .shard(ankusa_bus::shard_of("acme", 16));
+    let mut requests = client.subscribe(subject).await.expect("subscribes");
+    ankusa_bus::server_caught_up(&client)
+        .await
+        .expect("the server has the subscription");
+    let batches = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let stand_in = {
+        let batches = batches.clone();
+        tokio::spawn(async move {
+            while let Some(request) = futures::StreamExt::next(&mut requests).await {
+                let Some(reply_to) = request.reply else {
+                    continue;
+                };
+                let reply = match Request::decode(&request.payload).map(|r| r.op) {
+                    Ok(Op::Batch(_)) => {
+                        batches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        Reply::error(ankusa_bus::protocol::ErrorReply::new(
+                            ErrorCode::Malformed,
+                            "no batches here",
+                        ))
+                    }
+                    _ => Reply::new(ReplyBody::Hit(HitOutcome::Ok)),
+                };
+                let _ = client.publish(reply_to, reply.encode().into()).await;
+            }
+        })
+    };
+    let store = connected_edge(config(&nats.url(), true)).await;
+    let calls = (0..16).map(|n| store.hit(hit("acme", &format!("k{n}"), "h"), T));
+    let answers = futures::future::join_all(calls).await;
+    assert!(
+        batches.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "no batch was sent: the test tests nothing"
+    );
+    assert!(
+        answers.iter().all(|a| *a == Ok(HitOutcome::Ok)),
+        "{answers:?}"
+    );
+    stand_in.abort();
 }
