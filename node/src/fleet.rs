@@ -186,6 +186,7 @@ impl Fleet {
                 true
             }
             Err(err) => {
+                metrics::counter!("ankusa_heartbeat_failures_total").increment(1);
                 tracing::warn!(error = %err, "heartbeat failed");
                 false
             }

@@ -130,6 +130,10 @@ pub fn describe_metrics() {
         "Lease writes to take a free shard that failed on a KV error (one a round at most)"
     );
     describe_counter!(
+        "ankusa_heartbeat_failures_total",
+        "Heartbeats that failed: enough in a row and the other nodes take this one's shards"
+    );
+    describe_counter!(
         "ankusa_tenant_claims_full_total",
         "Hits on a new key refused (overloaded) because their tenant held max_tenant_claims"
     );
@@ -203,6 +207,7 @@ pub fn describe_metrics() {
         "ankusa_lease_takes_refused_total",
         "ankusa_steps_aside_total",
         "ankusa_tenant_claims_full_total",
+        "ankusa_heartbeat_failures_total",
         "ankusa_leases_lost_total",
         "ankusa_leases_adopted_total",
         "ankusa_shard_restarts_total",
