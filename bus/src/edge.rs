@@ -10,8 +10,11 @@
 //!    a hit on a key this process claimed, and a settle of a claim this process
 //!    made, are answered locally (`LocalReason::LocalClaim`), whether or not the
 //!    fleet is back — the fleet never saw those claims.
-//! 3. The [`CircuitBreaker`] decides whether the fleet is tried at all; while it
-//!    is open a hit is answered locally at once (`LocalReason::BreakerOpen`).
+//! 3. The [`CircuitBreaker`] decides whether a hit or a reset is tried on the
+//!    fleet at all; while it is open a hit is answered locally at once
+//!    (`LocalReason::BreakerOpen`). A settle of a fleet claim is tried
+//!    whatever the breaker says, and its result does not move the breaker
+//!    unless the breaker let it through (below).
 //! 4. The fleet gets the call's budget less a small reserve for the local answer,
 //!    under a guard timer of its own, so a store that overruns its budget still
 //!    cannot make the call late (the guard is a tokio timer: call the edge from
@@ -23,8 +26,12 @@
 //!
 //! # Settles are never degraded into local commits
 //!
-//! A settle of a claim the fleet made goes to the fleet only. If the fleet is out
-//! (or the breaker is open) the settle returns the error: committing locally a
+//! A settle of a claim the fleet made goes to the fleet only, even while the
+//! breaker is open: a breaker backing off for up to `max_backoff` after the
+//! fleet is back would otherwise fail every commit meanwhile, and each of
+//! their hooks would be delivered again. If the fleet is out the settle
+//! returns the error (it costs the settle its budget where the breaker would
+//! have failed it at once): committing locally a
 //! claim this process never made would let it answer `Duplicate` for a key whose
 //! fleet claim may be released, expired or held by another hook — and answering
 //! `NotFound` would be a lie about a claim the fleet still holds. The caller keeps
@@ -211,6 +218,16 @@ impl Counters {
 }
 
 /// What a fleet call came to.
+/// Whether a fleet call waits for the breaker's leave.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Admit {
+    /// Answered locally at once while the breaker is open.
+    ByBreaker,
+    /// Tried while it is open too: a settle has no local answer to fall back
+    /// on, and a commit not made leaves its hook to be delivered again.
+    Always,
+}
+
 enum Fleet<T> {
     Answered(T),
     /// Not tried, or an outage: answer locally for this reason.
@@ -306,7 +323,11 @@ impl<S: Store> Edge<S> {
         }
         let budget = self.fleet_budget(timeout);
         match self
-            .call_fleet(|| self.store.hit(req.clone(), budget), budget)
+            .call_fleet(
+                || self.store.hit(req.clone(), budget),
+                budget,
+                Admit::ByBreaker,
+            )
             .await
         {
             Fleet::Answered(outcome) => Ok(self.counted(Answer::fleet(outcome))),
@@ -330,14 +351,12 @@ impl<S: Store> Edge<S> {
         }
         let budget = self.fleet_budget(timeout);
         match self
-            .call_fleet(|| self.store.settle(req, budget), budget)
+            .call_fleet(|| self.store.settle(req, budget), budget, Admit::Always)
             .await
         {
             Fleet::Answered(outcome) => Ok(self.counted(Answer::fleet(outcome))),
             Fleet::Out(_, Some(err)) | Fleet::Refused(err) => Err(self.error(err)),
-            Fleet::Out(_, None) => Err(self.error(StoreError::Transport(
-                "circuit breaker open: fleet not tried".into(),
-            ))),
+            Fleet::Out(_, None) => Err(self.error(StoreError::Timeout(budget))),
         }
     }
 
@@ -348,7 +367,11 @@ impl<S: Store> Edge<S> {
         self.local.reset_valid(tenant);
         let budget = self.fleet_budget(timeout);
         match self
-            .call_fleet(|| self.store.reset(tenant.to_string(), budget), budget)
+            .call_fleet(
+                || self.store.reset(tenant.to_string(), budget),
+                budget,
+                Admit::ByBreaker,
+            )
             .await
         {
             Fleet::Answered(()) => Ok(self.counted(Answer::fleet(()))),
@@ -400,7 +423,12 @@ impl<S: Store> Edge<S> {
     /// Runs one fleet call (made only if the breaker admits it) through the
     /// breaker, bounded by `budget` even if the
     /// store overruns it.
-    async fn call_fleet<T, F>(&self, call: impl FnOnce() -> F, budget: Duration) -> Fleet<T>
+    async fn call_fleet<T, F>(
+        &self,
+        call: impl FnOnce() -> F,
+        budget: Duration,
+        admit: Admit,
+    ) -> Fleet<T>
     where
         F: Future<Output = Result<T, StoreError>>,
     {
@@ -410,8 +438,15 @@ impl<S: Store> Edge<S> {
             return Fleet::Out(LocalReason::Timeout, None);
         }
         let permit = match self.breaker.admit(self.mono.now()) {
-            Admission::Allowed(permit) => permit,
+            Admission::Allowed(permit) => Some(permit),
+            // Tried all the same, and not told: the breaker's own probe decides.
+            Admission::Rejected if admit == Admit::Always => None,
             Admission::Rejected => return Fleet::Out(LocalReason::BreakerOpen, None),
+        };
+        let tell = |ok: bool| {
+            if let Some(permit) = permit {
+                permit.record(ok, self.mono.now());
+            }
         };
         let result = match tokio::time::timeout(budget, call()).await {
             Ok(result) => result,
@@ -419,7 +454,7 @@ impl<S: Store> Edge<S> {
         };
         match result {
             Ok(outcome) => {
-                permit.record(true, self.mono.now());
+                tell(true);
                 Fleet::Answered(outcome)
             }
             Err(err) => match LocalReason::for_error(&err) {
@@ -427,13 +462,14 @@ impl<S: Store> Edge<S> {
                     // A node shedding one hot tenant's requests answered: the
                     // fleet is up for this edge's other tenants, which a breaker
                     // opened by that one tenant would send local too.
-                    let shed = matches!(&err, StoreError::Refused(reply) if reply.code == ErrorCode::Overloaded);
-                    permit.record(shed, self.mono.now());
+                    tell(
+                        matches!(&err, StoreError::Refused(reply) if reply.code == ErrorCode::Overloaded),
+                    );
                     Fleet::Out(reason, Some(err))
                 }
                 None => {
                     // The fleet answered, so it is up, even if it refused.
-                    permit.record(true, self.mono.now());
+                    tell(true);
                     Fleet::Refused(err)
                 }
             },

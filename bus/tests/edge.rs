@@ -553,6 +553,8 @@ async fn claims_made_locally_are_settled_locally_after_the_fleet_is_back() {
     assert_eq!(r.edge.store().calls().1, 2);
 }
 
+/// A settle of a fleet claim goes to the fleet only, whatever the breaker
+/// says: never committed locally, and not failed unsent while the breaker backs off.
 #[tokio::test]
 async fn a_failed_fleet_settle_never_becomes_a_local_commit() {
     let r = rig(2);
@@ -574,17 +576,31 @@ async fn a_failed_fleet_settle_never_becomes_a_local_commit() {
     assert_eq!(retry.source, local(LocalReason::NoResponders));
     assert_eq!(r.edge.breaker().state(), BreakerState::Open);
 
-    // With the breaker open, a fleet settle fails fast without a call: on its
-    // first poll, nothing awaited.
+    // With the breaker open, a fleet settle is still tried: a failure is
+    // the caller's error again, and tells the breaker nothing.
     let err = r
         .edge
         .settle(settle("k0", "h0", Settlement::Commit), BUDGET)
-        .now_or_never()
-        .expect("answered without waiting")
+        .await
         .unwrap_err();
     assert!(err.is_outage(), "{err:?}");
-    assert_eq!(r.edge.store().calls().1, 1);
+    assert_eq!(r.edge.store().calls().1, 2);
     assert_eq!(r.edge.stats().errors, 2);
+    assert_eq!(r.edge.breaker().state(), BreakerState::Open);
+    // The fleet is back while the breaker still backs off: hits stay local,
+    // and a commit is made all the same.
+    r.edge.store().set(Behave::Answer);
+    assert_eq!(
+        r.edge.hit(hit("k1", "h1"), BUDGET).await.unwrap().source,
+        local(LocalReason::BreakerOpen)
+    );
+    let committed = r
+        .edge
+        .settle(settle("k0", "h0", Settlement::Commit), BUDGET)
+        .await
+        .expect("the fleet took the commit");
+    assert_eq!(committed.source, Source::Fleet);
+    assert_eq!(r.edge.breaker().state(), BreakerState::Open);
 }
 
 #[tokio::test]

@@ -1901,9 +1901,10 @@ class DegradingEdge:
     full ``LocalStore`` evicts its tenant: later hits on its key and its
     settle are answered here, and after an eviction go to the fleet, which
     never saw the claim (its key may be admitted again: a duplicate
-    delivery). A settle of a fleet claim goes to the fleet only; during
-    an outage its ``FleetError`` is raised (committing locally a claim the
-    fleet holds could answer ``Duplicate`` for a hook nobody stored). A
+    delivery). A settle of a fleet claim goes to the fleet only, even while
+    the breaker is open; during an outage its ``FleetError`` is raised
+    (committing locally a claim the fleet holds could answer ``Duplicate``
+    for a hook nobody stored). A
     reset is applied locally always and sent to the fleet best effort.
 
     ``reserve_ms`` of each budget, at most a tenth of it, is kept for the
@@ -1953,16 +1954,18 @@ class DegradingEdge:
         _check_budget(timeout_ms)
         if self.local.holds_claim(claim.tenant, claim.source_id, claim.key, claim.hook_id):
             return Answer(self.local.settle(op), "local", "local_claim")
+        # Tried whatever the breaker says: a commit not made leaves its hook to
+        # be delivered again, and the breaker may back off long after the
+        # fleet is back.
         fleet = await self._fleet(
             lambda budget: self.edge.settle(claim, settlement, timeout_ms=budget),
             timeout_ms,
             raise_outage=True,
+            always=True,
         )
         if isinstance(fleet, Answer):
             return fleet
-        if fleet == "timeout":
-            raise Timeout(f"{timeout_ms} ms leaves the fleet no time: it was not tried")
-        raise FleetError("circuit breaker open: the fleet was not tried")
+        raise Timeout(f"{timeout_ms} ms leaves the fleet no time: it was not tried")
 
     async def reset(self, tenant: str, *, timeout_ms: int) -> Answer:
         validate(Reset(tenant))
@@ -1986,32 +1989,44 @@ class DegradingEdge:
         return fleet_ms if fleet_ms >= 2 else 0
 
     async def _fleet(
-        self, call: Callable[[int], Any], timeout_ms: int, *, raise_outage: bool = False
+        self,
+        call: Callable[[int], Any],
+        timeout_ms: int,
+        *,
+        raise_outage: bool = False,
+        always: bool = False,
     ) -> Answer | str:
         """The fleet's ``Answer`` to ``call(its budget)``, or the reason to
-        answer locally."""
+        answer locally. ``always``: tried while the breaker is open too, and
+        then its result is not told to the breaker (its own probe decides)."""
         budget = self._budget(timeout_ms)
         if budget == 0:
             # The caller's budget, not the fleet's failure: as the Rust edge
             # does, answered locally at once and the breaker not told.
             return "timeout"
         permit = self.breaker.admit()
-        if permit is None:
+        if permit is None and not always:
             return "breaker_open"
+
+        def tell(ok: bool) -> None:
+            if permit is not None:
+                self.breaker.record(ok, permit.probe)
+
         try:
             outcome = await call(budget)
         except FleetError as e:
-            self.breaker.record(False, permit.probe)
+            tell(False)
             if raise_outage:
                 raise
             return _outage_reason(e)
         except RequestError:
-            self.breaker.record(True, permit.probe)  # the fleet answered: it is up
+            tell(True)  # the fleet answered: it is up
             raise
         except BaseException:
-            self.breaker.abandon(permit.probe)
+            if permit is not None:
+                self.breaker.abandon(permit.probe)
             raise
-        self.breaker.record(True, permit.probe)
+        tell(True)
         return Answer(outcome)
 
 

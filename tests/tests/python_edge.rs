@@ -800,8 +800,10 @@ async fn python_edge_against_a_live_fleet() {
             "local",
             json!("local_claim"),
         );
-        // A fleet claim is never settled locally: the outage is the answer.
-        s.error("degrade-out-fleet-settle", "FleetError", "FleetError");
+        // A fleet claim is never settled locally: tried on the fleet even
+        // with the breaker open, the outage is the answer (and the breaker,
+        // which did not let it through, is not told: still open below).
+        s.error("degrade-out-fleet-settle", "NoResponders", "FleetError");
         // Nothing to do is the contract's ok, the fleet's answer without a
         // round trip, the breaker open or not.
         answered("degrade-out-nothing", ok, "fleet", Value::Null);
