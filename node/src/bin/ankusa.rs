@@ -3,7 +3,6 @@
 use std::process::ExitCode;
 
 use ankusa_node::cli::{run, Cli};
-use clap::Parser;
 
 // The node's allocator (see ankusa-node.rs), also for the load generator of
 // `ankusa bench`, which drives every store it compares from this one process.
@@ -18,7 +17,13 @@ fn main() -> ExitCode {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    let cli = Cli::parse();
+    let cli = match Cli::parse_with_config() {
+        Ok(cli) => cli,
+        Err(err) => {
+            eprintln!("ankusa: error: {err}");
+            return ExitCode::from(err.exit_code());
+        }
+    };
     // Logs only when asked for (RUST_LOG): the output is for people.
     if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_default_env() {
         tracing_subscriber::fmt()

@@ -24,9 +24,10 @@ use std::time::Duration;
 use ankusa_bus::client::ClientConfigError;
 use ankusa_bus::kv::KvError;
 use ankusa_bus::{FleetConfig, FleetStore, NatsOptions, StoreError};
-use clap::{Args, Parser, Subcommand};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
-use crate::config::NatsArgs;
+use crate::config::{ConfigError, NatsArgs, NodeConfig, Overrides};
 
 /// Talk to an ankusa-fleet instance: single calls, its status, and benchmarks.
 ///
@@ -41,9 +42,31 @@ pub struct Cli {
     pub command: Command,
 }
 
+impl Cli {
+    /// The command line, with what `--config` gives (a node's configuration
+    /// file: its NATS settings, instance and shard count) under what the
+    /// command line and environment set. A usage mistake exits as clap's do.
+    pub fn parse_with_config() -> Result<Self, CliError> {
+        Self::with_config(&Self::command().get_matches())
+    }
+
+    fn with_config(matches: &ArgMatches) -> Result<Self, CliError> {
+        let mut cli = Self::from_arg_matches(matches).unwrap_or_else(|err| err.exit());
+        cli.global.read_config(matches)?;
+        Ok(cli)
+    }
+}
+
 /// How to reach the instance; shared by every subcommand.
 #[derive(Debug, Clone, Args)]
 pub struct Global {
+    /// A node's configuration file (TOML), for its NATS settings, instance and
+    /// shard count; the options and variables here come first
+    #[arg(long, short, env = "ANKUSA_CONFIG", global = true)]
+    pub config: Option<PathBuf>,
+    /// The NATS settings read from `config`, under `nats`.
+    #[arg(skip)]
+    file_nats: Option<NatsOptions>,
     #[command(flatten)]
     pub nats: NatsArgs,
     /// Fleet instance name
@@ -63,10 +86,34 @@ pub struct Global {
 }
 
 impl Global {
+    /// Takes from the node configuration file `config` (if given) what
+    /// `matches` left at its default: the instance, the shard count and the
+    /// NATS settings (each NATS option given here replaces the file's).
+    fn read_config(&mut self, matches: &ArgMatches) -> Result<(), CliError> {
+        let Some(path) = &self.config else {
+            return Ok(());
+        };
+        let node = NodeConfig::load(Some(path), &Overrides::default())?;
+        let unset = |id: &str| {
+            matches!(
+                matches.value_source(id),
+                None | Some(ValueSource::DefaultValue)
+            )
+        };
+        if unset("instance") {
+            self.instance = node.instance;
+        }
+        if unset("shards") {
+            self.shards = node.shards;
+        }
+        self.file_nats = Some(node.nats);
+        Ok(())
+    }
+
     pub fn nats_options(&self) -> NatsOptions {
         let mut nats = NatsOptions {
             name: Some(format!("ankusa-cli {}", std::process::id())),
-            ..NatsOptions::default()
+            ..self.file_nats.clone().unwrap_or_default()
         };
         self.nats.apply_to(&mut nats);
         nats
@@ -153,13 +200,15 @@ pub enum CliError {
     },
     #[error("{0}")]
     Other(String),
+    #[error(transparent)]
+    NodeConfig(#[from] ConfigError),
 }
 
 impl CliError {
     /// The exit code: 2 for a usage mistake, 1 for everything else.
     pub fn exit_code(&self) -> u8 {
         match self {
-            CliError::Usage(_) | CliError::Config(_) => 2,
+            CliError::Usage(_) | CliError::Config(_) | CliError::NodeConfig(_) => 2,
             _ => 1,
         }
     }
@@ -215,5 +264,62 @@ pub fn fmt_retry(ms: u64) -> String {
         format!("{ms} ms")
     } else {
         format!("{} s", ms.div_ceil(1000))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parsed(args: &[&str]) -> Cli {
+        let matches = Cli::command()
+            .try_get_matches_from(args)
+            .expect("valid arguments");
+        Cli::with_config(&matches).expect("a readable config")
+    }
+
+    #[test]
+    fn a_nodes_config_fills_in_what_the_command_line_leaves_unset() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let path = dir.path().join("node.toml");
+        std::fs::write(
+            &path,
+            "instance = \"prod\"\nshards = 128\n[nats]\nservers = [\"nats://10.0.0.7:4222\"]\nuser = \"ankusa-node\"\npassword = \"pw\"\n",
+        )
+        .expect("written");
+        let path = path.to_str().expect("utf-8");
+
+        let from_file = parsed(&["ankusa", "status", "--config", path]);
+        assert_eq!(from_file.global.instance, "prod");
+        assert_eq!(from_file.global.shards, 128);
+        let nats = from_file.global.nats_options();
+        assert_eq!(nats.servers, ["nats://10.0.0.7:4222"]);
+        assert_eq!(nats.user.as_deref(), Some("ankusa-node"));
+
+        let given = parsed(&[
+            "ankusa",
+            "--shards",
+            "64",
+            "status",
+            "--config",
+            path,
+            "--nats",
+            "nats://127.0.0.1:4222",
+        ]);
+        assert_eq!(given.global.instance, "prod");
+        assert_eq!(given.global.shards, 64, "the command line comes first");
+        let nats = given.global.nats_options();
+        assert_eq!(nats.servers, ["nats://127.0.0.1:4222"]);
+        assert_eq!(
+            nats.password.as_deref(),
+            Some("pw"),
+            "the rest from the file"
+        );
+
+        let none = parsed(&["ankusa", "status"]);
+        assert_eq!(
+            (none.global.instance.as_str(), none.global.shards),
+            ("default", 64)
+        );
     }
 }
