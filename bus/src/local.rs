@@ -35,11 +35,11 @@
 //! # Memory
 //!
 //! Each shard keeps at most `ceil(max_tenants / shards)` tenants. Every
-//! `sweep_every` operations on a shard, that shard drops expired claims and
-//! tenants that hold nothing (full buckets, no live claim), a few thousand
-//! places of each tenant's claim table at a time, so that the answer that pays
-//! for it stays quick; [`LocalStore::sweep`] does every shard whole at once for
-//! a periodic tick. Live claims are kept until they expire, at most
+//! `sweep_every` operations on a shard, the next few of its tenants in turn
+//! drop expired claims, a few thousand places of each one's claim table, and
+//! those left holding nothing (full buckets, no live claim) go, so that the
+//! answer that pays for it stays quick however many tenants the shard holds;
+//! [`LocalStore::sweep`] does every shard whole at once for a periodic tick. Live claims are kept until they expire, at most
 //! `max_tenant_claims` a tenant: a hit on a new key past that is answered
 //! `Pending` (retry later) and claims nothing, since this store is the edge's
 //! last answer and a fleet that refused the tenant's claims (`overloaded`)
@@ -115,6 +115,8 @@ struct Entry {
 struct Shard {
     tenants: HashMap<Box<str>, Entry>,
     ops: u32,
+    /// Where in the tenants the next sweep on the answer path begins.
+    sweep_from: usize,
 }
 
 /// Places of a tenant's claim table that one sweep on the answer path looks
@@ -122,6 +124,23 @@ struct Shard {
 /// over many ticks, each holding the shard's lock briefly, rather than in one
 /// pass of tens of milliseconds that the answers behind it would wait out.
 const SWEEP_STEP: usize = 4096;
+
+/// Tenants one sweep on the answer path takes a step of, from where the last
+/// one stopped: the answer that pays for it, and those behind it on the
+/// shard's lock, wait for at most this many steps, however many tenants the
+/// shard holds.
+const SWEEP_TENANTS: usize = 32;
+
+/// How much of a shard a sweep looks at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Sweep {
+    /// Every tenant's table whole: a periodic tick, off the answer path.
+    Whole,
+    /// A step of every tenant: making room, which looks at them all anyway.
+    StepEach,
+    /// A step of the next [`SWEEP_TENANTS`] tenants: on the answer path.
+    StepNext,
+}
 
 /// This process's own tenant state; see the module doc.
 pub struct LocalStore {
@@ -298,7 +317,7 @@ impl LocalStore {
             .map(|shard| {
                 let mut shard = recover(shard.lock());
                 shard.ops = 0;
-                self.sweep_shard(&mut shard, now, None)
+                self.sweep_shard(&mut shard, now, Sweep::Whole)
             })
             .sum()
     }
@@ -332,29 +351,54 @@ impl LocalStore {
         shard.ops += 1;
         if shard.ops >= self.sweep_every {
             shard.ops = 0;
-            self.sweep_shard(shard, now, Some(SWEEP_STEP));
+            self.sweep_shard(shard, now, Sweep::StepNext);
         }
     }
 
     /// Drops expired claims among the next `buckets` places of each tenant's
     /// claim table (from where its last sweep stopped), or among all of them
     /// (`None`), and the tenants left holding nothing.
-    fn sweep_shard(&self, shard: &mut Shard, now: u64, buckets: Option<usize>) -> usize {
+    fn sweep_shard(&self, shard: &mut Shard, now: u64, how: Sweep) -> usize {
         let mut claims = 0;
         let before = shard.tenants.len();
-        shard.tenants.retain(|_, entry| {
-            let (swept, finished) = match buckets {
-                Some(buckets) => {
-                    let step = entry.state.sweep_step(now, buckets);
+        // Whether a tenant swept is to be dropped. Only a finished pass asks
+        // whether anything is left: the question walks the claims up to the
+        // first live one.
+        let mut sweep = |entry: &mut Entry| {
+            let (swept, finished) = match how {
+                Sweep::Whole => (entry.state.sweep(now), true),
+                Sweep::StepEach | Sweep::StepNext => {
+                    let step = entry.state.sweep_step(now, SWEEP_STEP);
                     (step.swept, step.finished)
                 }
-                None => (entry.state.sweep(now), true),
             };
             claims += swept;
-            // Only a finished pass asks whether anything is left: the question
-            // walks the claims up to the first live one.
-            !(finished && entry.state.is_empty(now))
-        });
+            finished && entry.state.is_empty(now)
+        };
+        if how == Sweep::StepNext && before > SWEEP_TENANTS {
+            // The map's order is its own, and moves as tenants come and go:
+            // the turn is fair enough, not exact.
+            let start = shard.sweep_from % before;
+            let wrapped = (start + SWEEP_TENANTS).saturating_sub(before);
+            let mut gone = Vec::new();
+            let tenants = shard.tenants.iter_mut();
+            for (name, entry) in tenants.skip(start).take(SWEEP_TENANTS) {
+                if sweep(entry) {
+                    gone.push(name.clone());
+                }
+            }
+            for (name, entry) in shard.tenants.iter_mut().take(wrapped) {
+                if sweep(entry) {
+                    gone.push(name.clone());
+                }
+            }
+            shard.sweep_from = start + SWEEP_TENANTS - gone.len();
+            for name in gone {
+                shard.tenants.remove(&name);
+            }
+        } else {
+            shard.tenants.retain(|_, entry| !sweep(entry));
+        }
         let dropped = before - shard.tenants.len();
         if shard.tenants.capacity() > 4 * shard.tenants.len().max(16) {
             shard.tenants.shrink_to_fit();
@@ -370,7 +414,7 @@ impl LocalStore {
         if shard.tenants.len() < self.per_shard {
             return;
         }
-        self.sweep_shard(shard, now, Some(SWEEP_STEP));
+        self.sweep_shard(shard, now, Sweep::StepEach);
         // Room for an eighth of the shard at once, so that a stream of new
         // tenants pays for these scans once per eighth rather than on every
         // insert (a sweep that freed a few would otherwise come again at once).
@@ -574,6 +618,41 @@ mod tests {
         clock.advance_us(200_000);
         assert_eq!(local.hit(&hit("d", None)), Ok(HitOutcome::Ok));
         assert_eq!(local.tenants(), 1);
+    }
+
+    #[test]
+    fn a_sweep_on_the_answer_path_visits_a_few_tenants_in_turn() {
+        let clock = ManualClock::new(T0);
+        let config = LocalConfig {
+            shards: 1,
+            sweep_every: 1,
+            ..LocalConfig::default()
+        };
+        let local = store(&clock, config);
+        let tenants = 10 * SWEEP_TENANTS;
+        for i in 0..tenants {
+            let req = HitRequest {
+                charges: Vec::new(),
+                claim: Some(claim(&format!("t{i}"), "k", "h")),
+            };
+            assert_eq!(local.hit(&req), Ok(HitOutcome::Ok));
+        }
+        // Every claim is past its pending TTL: each tenant holds nothing.
+        clock.advance_us(10_000_000);
+        let mut dropped = Vec::new();
+        // "other", whose hits sweep, keeps a bucket it charges.
+        while local.tenants() > 1 && dropped.len() < 2 * tenants {
+            let before = local.stats().dropped;
+            local.hit(&hit("other", None)).expect("valid");
+            dropped.push(local.stats().dropped - before);
+        }
+        assert_eq!(local.tenants(), 1, "every tenant was visited in turn");
+        assert!(
+            dropped.iter().all(|&d| d <= SWEEP_TENANTS as u64),
+            "a sweep on the answer path dropped {:?}",
+            dropped.iter().max()
+        );
+        assert!(dropped.len() >= tenants / SWEEP_TENANTS, "{dropped:?}");
     }
 
     #[test]
