@@ -405,19 +405,26 @@ async fn batches_of_the_largest_calls_are_split_to_fit_a_message() {
     }
 }
 
+/// A client subscribed to the shard subject of tenant `acme` (of the `test`
+/// instance's 16 shards), with the server holding the subscription.
+async fn acme_shard_requests(nats: &NatsServer) -> (async_nats::Client, async_nats::Subscriber) {
+    let client = async_nats::connect(nats.url()).await.expect("connects");
+    let subject = Subjects::new("test")
+        .expect("valid instance")
+        .shard(ankusa_bus::shard_of("acme", 16));
+    let requests = client.subscribe(subject).await.expect("subscribes");
+    ankusa_bus::server_caught_up(&client)
+        .await
+        .expect("the server has the subscription");
+    (client, requests)
+}
+
 /// A call tells the node the time its caller really waits: its alarm goes
 /// off 2 ms early (timers fire late), and its budget on the wire ends there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_budget_sent_ends_when_the_caller_stops_waiting() {
     let nats = NatsServer::start().await.expect("nats-server starts");
-    let client = async_nats::connect(nats.url()).await.expect("connects");
-    let subject = Subjects::new("test")
-        .expect("valid instance")
-        .shard(ankusa_bus::shard_of("acme", 16));
-    let mut requests = client.subscribe(subject).await.expect("subscribes");
-    ankusa_bus::server_caught_up(&client)
-        .await
-        .expect("the server has the subscription");
+    let (_client, mut requests) = acme_shard_requests(&nats).await;
     for batching in [false, true] {
         let store = connected_edge(config(&nats.url(), batching)).await;
         let call = store.hit(hit("acme", "k", "h"), Duration::from_millis(10));
@@ -647,14 +654,7 @@ async fn calls_too_short_to_send_do_not_open_the_breaker() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_refused_whole_sends_its_calls_alone() {
     let nats = NatsServer::start().await.expect("nats-server starts");
-    let client = async_nats::connect(nats.url()).await.expect("connects");
-    let subject = Subjects::new("test")
-        .expect("valid instance")
-        .shard(ankusa_bus::shard_of("acme", 16));
-    let mut requests = client.subscribe(subject).await.expect("subscribes");
-    ankusa_bus::server_caught_up(&client)
-        .await
-        .expect("the server has the subscription");
+    let (client, mut requests) = acme_shard_requests(&nats).await;
     let batches = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let stand_in = {
         let batches = batches.clone();
