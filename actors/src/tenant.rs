@@ -173,8 +173,8 @@ fn until_ms(now_us: u64, ms: u64) -> u64 {
 }
 
 impl TenantState {
-    /// [`TenantState::hit_within`] with no cap on the claims held: for a store
-    /// whose claims are bounded otherwise (the edge's local store).
+    /// [`TenantState::hit_within`] with no cap on the claims held: for the
+    /// rules alone (tests, benches), where no table grows past memory's bound.
     pub fn hit(&mut self, now_us: u64, req: &HitRequest) -> Applied<HitOutcome> {
         match self.hit_within(now_us, req, usize::MAX) {
             Ok(applied) => applied,

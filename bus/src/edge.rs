@@ -217,7 +217,6 @@ impl Counters {
     }
 }
 
-/// What a fleet call came to.
 /// Whether a fleet call waits for the breaker's leave.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Admit {
@@ -228,6 +227,7 @@ enum Admit {
     Always,
 }
 
+/// What a fleet call came to.
 enum Fleet<T> {
     Answered(T),
     /// Not tried, or an outage: answer locally for this reason.

@@ -39,7 +39,8 @@
 //! drop expired claims, a few thousand places of each one's claim table, and
 //! those left holding nothing (full buckets, no live claim) go, so that the
 //! answer that pays for it stays quick however many tenants the shard holds;
-//! [`LocalStore::sweep`] does every shard whole at once for a periodic tick. Live claims are kept until they expire, at most
+//! [`LocalStore::sweep`] does every shard whole at once for a periodic tick.
+//! Live claims are kept until they expire, at most
 //! `max_tenant_claims` a tenant: a hit on a new key past that is answered
 //! `Pending` (retry later) and claims nothing, since this store is the edge's
 //! last answer and a fleet that refused the tenant's claims (`overloaded`)
@@ -355,9 +356,9 @@ impl LocalStore {
         }
     }
 
-    /// Drops expired claims among the next `buckets` places of each tenant's
-    /// claim table (from where its last sweep stopped), or among all of them
-    /// (`None`), and the tenants left holding nothing.
+    /// Drops expired claims from the tenants `how` says (a step of each
+    /// table from where its last sweep stopped, or the whole table), and the
+    /// tenants left holding nothing.
     fn sweep_shard(&self, shard: &mut Shard, now: u64, how: Sweep) -> usize {
         let mut claims = 0;
         let before = shard.tenants.len();

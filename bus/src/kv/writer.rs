@@ -77,9 +77,26 @@ impl Waiter {
 struct Submitted {
     changes: Vec<(u32, EncodedChange)>,
     done: Done,
-    /// The most changes the queues may hold with these in: a request's claims
-    /// may fill them, written-behind TATs only [`BUCKETS_ROOM`] of them.
-    room: usize,
+    carrying: Carrying,
+}
+
+/// What a submission carries, which says how much of the queues it may fill.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Carrying {
+    /// A request's claims and resets, which it waits on: all of the queues.
+    Requests,
+    /// Written-behind TATs: [`BUCKETS_ROOM`] of them.
+    WrittenBehind,
+}
+
+impl Carrying {
+    /// The most changes the queues may hold with a submission's in.
+    fn room(self) -> usize {
+        match self {
+            Carrying::Requests => MAX_QUEUED_CHANGES,
+            Carrying::WrittenBehind => BUCKETS_ROOM,
+        }
+    }
 }
 
 /// Submissions queued for the commit loop before their tenants wait, and log
@@ -161,12 +178,12 @@ impl KvWriter {
         self.node_log.swap(on, Ordering::Relaxed)
     }
 
-    /// Hands changes to the commit loop, if the queues have `room` for them;
-    /// returns once all are in JetStream.
+    /// Hands changes to the commit loop, if the queues have room for what
+    /// they carry; returns once all are in JetStream.
     async fn submit(
         &self,
         changes: Vec<(u32, EncodedChange)>,
-        room: usize,
+        carrying: Carrying,
     ) -> Result<(), PersistError> {
         if changes.is_empty() {
             return Ok(());
@@ -176,7 +193,7 @@ impl KvWriter {
             .send(Submitted {
                 changes,
                 done,
-                room,
+                carrying,
             })
             .await
             .map_err(|_| PersistError::Stopped)?;
@@ -221,7 +238,7 @@ impl KvWriter {
                 }
             }
         }
-        self.submit(claims, MAX_QUEUED_CHANGES).await
+        self.submit(claims, Carrying::Requests).await
     }
 
     /// Stops writing the buckets of `shards`, which this node no longer
@@ -294,7 +311,10 @@ impl KvWriter {
                 .then(|| EncodedChange::buckets(*shard, tenant, &buckets, now_us));
             async move {
                 match change {
-                    Some(change) => self.submit(vec![(*shard, change)], BUCKETS_ROOM).await,
+                    Some(change) => {
+                        self.submit(vec![(*shard, change)], Carrying::WrittenBehind)
+                            .await
+                    }
                     None => Ok(()),
                 }
             }
@@ -404,8 +424,7 @@ impl ClaimLogs {
 
     /// Queues `changes` on their logs (the node log, or each shard's group
     /// log) and returns the logs that got some; refuses them all, unqueued,
-    /// when they would take the queues past `room` (at most
-    /// [`MAX_QUEUED_CHANGES`]).
+    /// when they would take the queues past `room`.
     fn queue(
         &mut self,
         changes: Vec<(u32, EncodedChange)>,
@@ -414,7 +433,7 @@ impl ClaimLogs {
         room: usize,
         touched: &mut Vec<LogId>,
     ) -> Result<(), PersistError> {
-        if self.queued + changes.len() > room.min(MAX_QUEUED_CHANGES) {
+        if self.queued + changes.len() > room {
             return Err(PersistError::Backlog {
                 queued: self.queued,
             });
@@ -523,7 +542,7 @@ async fn commit_loop(
                     while let Some(Submitted {
                         changes,
                         done,
-                        room,
+                        carrying,
                     }) = next.take()
                     {
                         // Switching logs midway is safe: the replay does not
@@ -531,10 +550,10 @@ async fn commit_loop(
                         let node_log = node_log.load(Ordering::Relaxed);
                         let count = changes.len();
                         if let Err(refused) =
-                            logs.queue(changes, &done, node_log, room, &mut ready)
+                            logs.queue(changes, &done, node_log, carrying.room(), &mut ready)
                         {
                             // Requests refused; deferred TATs are not counted.
-                            if room == MAX_QUEUED_CHANGES {
+                            if carrying == Carrying::Requests {
                                 metrics::counter!("ankusa_kv_backlog_refusals_total")
                                     .increment(1);
                             }
